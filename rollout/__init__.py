@@ -1,0 +1,53 @@
+"""rollout: train LLMs with reinforcement learning from one declarative config.
+
+Library use mirrors the CLI:
+
+    from rollout import load_config, plan, RolloutError
+    config = load_config("run.toml")            # validate: schema + cross-field rules
+    the_plan = plan("run.toml")                 # resolve plugins, model, data, hardware
+    the_plan = Plan.from_file("plan.lock")      # read and verify a frozen plan
+
+Every user mistake raises RolloutError (a ConfigError, PlanError or LockfileError) whose
+``.issues`` carry dotted paths, values and hints.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rollout.config import RunConfig, load_config
+from rollout.errors import ConfigError, Issue, LockfileError, PlanError, RolloutError
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from rollout.plan import Plan
+
+
+def plan(config: str | Any, **kwargs: Any) -> Plan:
+    """Plan a config file (or a RunConfig). See rollout.plan.builder.build_plan."""
+    from rollout.plan.builder import build_plan
+
+    return build_plan(config, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Plan":  # lazy: importing rollout stays cheap for `rollout validate`
+        from rollout.plan import Plan
+
+        return Plan
+    raise AttributeError(name)
+
+
+__all__ = [
+    "ConfigError",
+    "Issue",
+    "LockfileError",
+    "Plan",
+    "PlanError",
+    "RolloutError",
+    "RunConfig",
+    "__version__",
+    "load_config",
+    "plan",
+]

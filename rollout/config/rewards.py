@@ -1,0 +1,59 @@
+"""[[rewards]]: plugin functions that score completions, combined by weight."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, Field
+
+from rollout.config.base import ConfigModel
+
+# module.path:function | ./file.py:function | file.py:function | entry-point-or-builtin-name
+_MODULE_REF = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_.]*"
+_FILE_REF = r"[^:]+\.py:[A-Za-z_][A-Za-z0-9_.]*"
+_NAME_REF = r"[A-Za-z_][A-Za-z0-9_.-]*"
+PLUGIN_REF_PATTERN = rf"^({_MODULE_REF}|{_FILE_REF}|{_NAME_REF})$"
+_PLUGIN_REF = re.compile(PLUGIN_REF_PATTERN)
+
+
+def check_plugin_ref(value: str) -> str:
+    if not _PLUGIN_REF.match(value):
+        raise ValueError(
+            "a plugin reference is 'package.module:function', './file.py:function', or the name "
+            "of a built-in or an installed entry point (e.g. 'numeric_match')"
+        )
+    return value
+
+
+PluginRef = Annotated[
+    str,
+    AfterValidator(check_plugin_ref),
+    Field(examples=["numeric_match", "my_pkg.rewards:score", "./rewards.py:score"]),
+]
+
+
+class RewardSpec(ConfigModel):
+    fn: PluginRef = Field(
+        description="The reward function: a built-in name ('numeric_match', 'exact_match', "
+        "'regex_match', 'length_penalty'), 'package.module:function', './file.py:function' "
+        "(relative to the config file), or an entry point in the 'rollout.rewards' group. It is "
+        "called as fn(prompts, completions, **fields, **options) and returns one float per "
+        "completion.",
+    )
+    weight: float = Field(default=1.0, description="Weight of this reward in the weighted sum.")
+    name: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="Name used in metrics. Default: the function's name.",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments passed to the function on every call.",
+    )
+    timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Longest one call may take; past it the step stops with an error naming the "
+        "plugin.",
+    )

@@ -1,0 +1,33 @@
+"""[storage]: where run records (the run store) and artifacts (checkpoints) go."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rollout.config.base import ConfigModel
+from rollout.config.secrets import Location, SecretRef
+
+
+class StorageSection(ConfigModel):
+    backend: Literal["sqlite", "postgres"] = Field(
+        default="sqlite",
+        description="Run store: 'sqlite' (embedded, one file) or 'postgres' (for runs whose workers "
+        "live on several machines).",
+    )
+    sqlite_path: str | None = Field(
+        default=None,
+        min_length=1,
+        description="SQLite run-store file. None: <run.output_dir>/rollout.db.",
+    )
+    postgres_dsn: SecretRef | None = Field(
+        default=None,
+        description="Postgres DSN, as a reference only ('env:ROLLOUT_PG_DSN'), never the DSN "
+        "itself. Required when backend is 'postgres'.",
+    )
+    artifacts: Location | None = Field(
+        default=None,
+        description="Where checkpoints go: a local path, file://, s3://bucket/prefix or "
+        "gs://bucket/prefix. None: inside the run directory.",
+    )

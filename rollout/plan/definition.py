@@ -1,0 +1,195 @@
+"""The plan: frozen data, nothing else.
+
+A Plan is what `rollout plan` computes and plan.lock stores: the resolved config with every default,
+the identity of each plugin, facts about the model, data and hardware, the actor/learner graph,
+the memory estimate, versions and seeds. Building it (builder.py), writing and verifying it
+(lockfile.py) and explaining it (explain.py) are separate modules; this one only defines it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollout.config.root import RunConfig
+
+FORMAT_VERSION = 1
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PluginIdentity(Frozen):
+    """Who a plugin reference resolved to, precisely enough to notice when it changes."""
+
+    used_by: str = Field(description="Config path that references it, e.g. 'rewards[0].fn'.")
+    ref: str = Field(description="The reference as written in the config.")
+    kind: Literal["builtin", "module", "file", "entry_point"]
+    module: str = Field(description="Module name (or, for file plugins, the file's module name).")
+    qualname: str = Field(description="Attribute path of the callable inside the module.")
+    path: str | None = Field(default=None, description="Absolute source file, when known.")
+    sha256: str | None = Field(
+        default=None, description="sha256 of the source file (file plugins, and modules outside "
+        "any installed distribution)."
+    )
+    distribution: str | None = Field(default=None, description="Installed distribution name.")
+    version: str | None = Field(default=None, description="Installed distribution version.")
+    signature: str = Field(description="The callable's signature, as inspect renders it.")
+
+
+class ModelFacts(Frozen):
+    """What the model is, read from config.json or GGUF metadata without loading weights."""
+
+    source: Literal["path", "package", "builtin"]
+    location: str = Field(description="Absolute path or URL of the model; 'builtin:NAME' for builtins.")
+    format: Literal["hf", "gguf", "builtin"]
+    fingerprint: str = Field(description="sha256 of the model's metadata (config.json or GGUF header).")
+    architecture: str
+    model_type: str
+    num_parameters: int
+    vocab_size: int
+    context_length: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    tie_word_embeddings: bool
+    chat_template: bool = Field(description="Whether a chat template is available (model or override).")
+    quantization: str | None = Field(default=None, description="GGUF file type, e.g. 'Q4_1'.")
+    file_bytes: int | None = Field(default=None, description="Size of the weights on disk, if known.")
+
+
+class DataFacts(Frozen):
+    """What a data file holds, from reading it (never from trusting the config)."""
+
+    split: Literal["train", "eval"]
+    location: str
+    format: Literal["jsonl", "parquet"]
+    num_records: int
+    fields: list[str] = Field(description="Fields seen in the records read.")
+    size_bytes: int | None = None
+    fingerprint: str = Field(description="sha256 of the file's bytes.")
+
+
+class GpuFacts(Frozen):
+    index: int
+    name: str
+    memory_bytes: int
+
+
+class HardwareFacts(Frozen):
+    platform: str
+    cpu_count: int = Field(description="CPU cores this process may use.")
+    memory_bytes: int
+    memory_available_bytes: int
+    gpus: list[GpuFacts] = Field(default_factory=list)
+
+
+class ProcessSpec(Frozen):
+    rank: int
+    node: int
+    local_rank: int
+    device: str = Field(description="'cpu' or 'cuda:N'.")
+    roles: list[str]
+
+
+class RoleSpec(Frozen):
+    role: str
+    ranks: list[int]
+    what: str = Field(description="What the role does in this plan, in a few words.")
+
+
+class Edge(Frozen):
+    source: str
+    target: str
+    kind: Literal["rollout_queue", "weight_sync", "reference_logprobs", "rewards", "values"]
+    transport: Literal["in_process", "torch_distributed"]
+
+
+class Graph(Frozen):
+    world_size: int
+    nnodes: int
+    nproc_per_node: int
+    device: Literal["cpu", "cuda"]
+    backend: Literal["gloo", "nccl"]
+    roles: list[RoleSpec]
+    processes: list[ProcessSpec]
+    edges: list[Edge]
+
+
+class MemoryEstimate(Frozen):
+    device: str = Field(description="'cpu' (shared by a node's CPU processes) or 'cuda:N'.")
+    capacity_bytes: int
+    items: dict[str, int] = Field(description="Bytes by item: weights, gradients, optimizer, ...")
+    total_bytes: int
+    fits: bool
+
+
+class Derived(Frozen):
+    """Values computed from the config by the builder (the only place they are computed)."""
+
+    dtype: Literal["float32", "bfloat16", "float16"]
+    run_dir: str
+    store: str = Field(description="Run store location (sqlite path or a DSN reference).")
+    artifacts: str
+    threads_per_process: int
+    prompts_per_step: int | None = None
+    minibatch_size: int
+    micro_batch_size: int
+    grad_accumulation: int
+    optimizer_steps_per_step: int | None = None
+    total_steps: int
+    max_sequence_length: int
+
+
+class Versions(Frozen):
+    python: str
+    rollout: str
+    pydantic: str | None = None
+    torch: str | None = None
+    transformers: str | None = None
+    vllm: str | None = None
+
+
+class Seeds(Frozen):
+    root: int
+    data: int
+    sampling: int
+    per_rank: list[int]
+
+
+class Plan(Frozen):
+    """Everything a run needs, frozen. Equal plans serialize to equal plan.lock files."""
+
+    run_id: str
+    created_at: str = Field(description="UTC time of planning, ISO 8601.")
+    config_path: str | None = Field(description="Absolute path of the config file, if any.")
+    config_sha256: str | None
+    base_dir: str = Field(description="Directory relative input paths were resolved against.")
+    config: RunConfig = Field(description="The resolved config, every default filled in.")
+    derived: Derived
+    plugins: list[PluginIdentity]
+    model: ModelFacts
+    data: list[DataFacts]
+    hardware: HardwareFacts
+    graph: Graph
+    memory: list[MemoryEstimate]
+    versions: Versions
+    seeds: Seeds
+
+    @classmethod
+    def from_file(cls, path: str, *, check_fresh: bool = True) -> Plan:
+        """Read plan.lock, refusing one that was edited, is stale, or has an unknown format."""
+        from rollout.plan.lockfile import read_plan
+
+        return read_plan(path, check_fresh=check_fresh)
+
+    def write(self, path: str) -> None:
+        """Write this plan as canonical JSON with its sha256 (atomically)."""
+        from rollout.plan.lockfile import write_plan
+
+        write_plan(self, path)
