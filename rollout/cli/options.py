@@ -16,14 +16,19 @@ class Format(str, Enum):
 
 ConfigOption = Annotated[
     Path,
-    typer.Option("--config", "-c", help="Config file (.toml, .yaml/.yml or .json).",
-                 show_default=False),
+    typer.Option(
+        "--config", "-c", help="Config file (.toml, .yaml/.yml or .json).", show_default=False
+    ),
 ]
 SetOption = Annotated[
     list[str] | None,
-    typer.Option("--set", "-s", metavar="KEY=VALUE",
-                 help="Override one value, e.g. --set algorithm.lr=1e-5 (repeatable). VALUE is "
-                 "read as TOML; anything else is a string."),
+    typer.Option(
+        "--set",
+        "-s",
+        metavar="KEY=VALUE",
+        help="Override one value, e.g. --set algorithm.lr=1e-5 (repeatable). VALUE is "
+        "read as TOML; anything else is a string.",
+    ),
 ]
 FormatOption = Annotated[
     Format, typer.Option("--format", help="Output format: text for people, json for tools.")

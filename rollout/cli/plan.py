@@ -1,1 +1,90 @@
-"""`rollout plan`."""
+"""`rollout plan`: validate, resolve plugins, inspect model/data/hardware, freeze plan.lock."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from rollout.cli.app import app
+from rollout.cli.options import Format, FormatOption, SetOption
+from rollout.cli.render import stderr, stdout, user_errors
+from rollout.plan.memory import gib
+
+plan_app = typer.Typer(
+    invoke_without_command=True,
+    no_args_is_help=False,
+    help="Freeze a config into plan.lock (or show one with `rollout plan show`).",
+)
+app.add_typer(plan_app, name="plan")
+
+OutputOption = Annotated[
+    Path, typer.Option("--output", "-o", help="Where to write the plan.", show_default=True)
+]
+
+
+@plan_app.callback()
+def plan(
+    ctx: typer.Context,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config", "-c", help="Config file (.toml, .yaml/.yml or .json).", show_default=False
+        ),
+    ] = None,
+    output: OutputOption = Path("plan.lock"),
+    set_: SetOption = None,
+    explain: Annotated[bool, typer.Option("--explain", help="Show the whole plan.")] = False,
+    fmt: FormatOption = Format.text,
+) -> None:
+    """Validate CONFIG, resolve plugins, inspect the model, data and hardware, write plan.lock."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if config is None:
+        stderr.print(
+            "[bold red]error[/]: missing --config FILE (or use `rollout plan show plan.lock`)"
+        )
+        raise typer.Exit(2)
+    from rollout.plan.builder import build_plan
+
+    with user_errors(fmt.value):
+        the_plan = build_plan(config, overrides=set_ or [])
+        the_plan.write(str(output))
+    if fmt is Format.json:
+        stdout.print_json(
+            json.dumps(
+                {"plan": str(output), "run_id": the_plan.run_id, "plan_sha256": _lock_hash(output)}
+            )
+        )
+        return
+    if explain:
+        from rollout.plan.explain import explain as render
+
+        render(the_plan, stdout)
+    used = sum(e.total_bytes for e in the_plan.memory)
+    capacity = sum(e.capacity_bytes for e in the_plan.memory)
+    stdout.print(
+        f"[green]✓[/] wrote {output}: {the_plan.run_id} ({the_plan.config.algorithm.kind}, "
+        f"{the_plan.derived.total_steps} steps, {the_plan.graph.world_size} "
+        f"{the_plan.graph.device} process(es), ~{gib(used)} of {gib(capacity)})"
+    )
+    stdout.print(f"  next: rollout run --plan {output}")
+
+
+@plan_app.command("show")
+def show(
+    path: Annotated[Path, typer.Argument(help="A plan.lock file.")] = Path("plan.lock"),
+) -> None:
+    """Explain a plan.lock: roles, placement, memory, plugins, versions."""
+    from rollout.plan.definition import Plan
+    from rollout.plan.explain import explain as render
+
+    with user_errors():
+        the_plan = Plan.from_file(str(path), check_fresh=False)
+    render(the_plan, stdout)
+
+
+def _lock_hash(path: Path) -> str:
+    return json.loads(path.read_text(encoding="utf-8"))["sha256"]

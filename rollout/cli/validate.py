@@ -17,8 +17,9 @@ def validate(config: ConfigOption, set_: SetOption = None, fmt: FormatOption = F
     with user_errors(fmt.value):
         run_config = load_config(config, set_ or [])
     if fmt is Format.json:
-        stdout.print_json(json.dumps({"source": str(config), "valid": True, "error_count": 0,
-                                      "errors": []}))
+        stdout.print_json(
+            json.dumps({"source": str(config), "valid": True, "error_count": 0, "errors": []})
+        )
         return
     stdout.print(f"[green]✓[/] {config} is valid: {summary(run_config)}")
 
@@ -26,6 +27,9 @@ def validate(config: ConfigOption, set_: SetOption = None, fmt: FormatOption = F
 def summary(config: RunConfig) -> str:
     algo = config.algorithm
     model = config.model
-    source = model.path or (f"package {model.package}" if model.package else f"builtin:{model.builtin}")
+    source = model.path or (
+        f"package {model.package}" if model.package else f"builtin:{model.builtin}"
+    )
     steps = f"{algo.max_steps} steps" if algo.max_steps else f"{algo.epochs} epoch(s)"
-    return f"{algo.kind} on {source}, {steps}, {config.cluster.nnodes}x{config.cluster.nproc_per_node} processes"
+    cluster = config.cluster
+    return f"{algo.kind} on {source}, {steps}, {cluster.nnodes} node(s) x {cluster.nproc_per_node} process(es)"

@@ -16,6 +16,7 @@ LrSchedule = Literal["constant", "linear", "cosine"]
 KlEstimator = Literal["k1", "k2", "k3"]
 LossAggregation = Literal["token_mean", "sequence_mean", "batch_token_mean", "constant"]
 ReferenceMode = Literal["cached", "live"]
+Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
 class OptimizerKnobs(ConfigModel):
@@ -30,7 +31,7 @@ class OptimizerKnobs(ConfigModel):
         default=0, ge=0, description="Optimizer steps of linear warmup from 0 to lr."
     )
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW decoupled weight decay.")
-    adam_betas: tuple[float, float] = Field(
+    adam_betas: tuple[Beta, Beta] = Field(
         default=(0.9, 0.999), description="AdamW (beta1, beta2), each in [0, 1)."
     )
     adam_eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
@@ -97,6 +98,8 @@ class OnPolicyKnobs(OptimizerKnobs):
 
 
 class GrpoConfig(OnPolicyKnobs):
+    """GRPO: advantages relative to the other completions of the same prompt."""
+
     kind: Literal["grpo"] = Field(description="Group Relative Policy Optimization.")
     num_generations: int = Field(
         default=4,
@@ -112,6 +115,8 @@ class GrpoConfig(OnPolicyKnobs):
 
 
 class RlooConfig(OnPolicyKnobs):
+    """RLOO: each completion is baselined on the mean reward of the others."""
+
     kind: Literal["rloo"] = Field(description="REINFORCE Leave-One-Out.")
     num_generations: int = Field(
         default=4,
@@ -121,6 +126,8 @@ class RlooConfig(OnPolicyKnobs):
 
 
 class PpoConfig(OnPolicyKnobs):
+    """PPO: a learned critic gives per-token values; advantages by GAE."""
+
     kind: Literal["ppo"] = Field(description="Proximal Policy Optimization with a learned critic.")
     num_generations: int = Field(default=1, ge=1, description="Completions sampled per prompt.")
     gamma: float = Field(default=1.0, ge=0, le=1, description="Discount factor for GAE.")
@@ -162,6 +169,8 @@ class OfflineKnobs(OptimizerKnobs):
 
 
 class PreferenceKnobs(OfflineKnobs):
+    """Knobs shared by the preference objectives (DPO, IPO, KTO)."""
+
     beta: float = Field(default=0.1, gt=0, description="Strength of the implicit KL constraint.")
     reference: ReferenceMode = Field(
         default="cached",
@@ -171,6 +180,8 @@ class PreferenceKnobs(OfflineKnobs):
 
 
 class DpoConfig(PreferenceKnobs):
+    """DPO: the policy's log-ratio margin over the reference, on preference pairs."""
+
     kind: Literal["dpo"] = Field(description="Direct Preference Optimization.")
     label_smoothing: float = Field(
         default=0.0,
@@ -181,10 +192,14 @@ class DpoConfig(PreferenceKnobs):
 
 
 class IpoConfig(PreferenceKnobs):
+    """IPO: DPO with a squared loss that does not saturate."""
+
     kind: Literal["ipo"] = Field(description="Identity Preference Optimization.")
 
 
 class KtoConfig(PreferenceKnobs):
+    """KTO: unpaired desirable and undesirable completions."""
+
     kind: Literal["kto"] = Field(description="Kahneman-Tversky Optimization on unpaired data.")
     desirable_weight: float = Field(
         default=1.0, gt=0, description="Loss weight of desirable examples."
@@ -195,6 +210,8 @@ class KtoConfig(PreferenceKnobs):
 
 
 class SftConfig(OfflineKnobs):
+    """SFT: next-token cross-entropy on demonstrations."""
+
     kind: Literal["sft"] = Field(description="Supervised fine-tuning.")
     lr: float = Field(default=2e-5, gt=0, le=1.0, description="Peak learning rate (AdamW).")
     completion_only_loss: bool = Field(
@@ -208,6 +225,8 @@ class SftConfig(OfflineKnobs):
 
 
 class RmConfig(OfflineKnobs):
+    """Reward model: a scalar head trained with a Bradley-Terry loss on pairs."""
+
     kind: Literal["rm"] = Field(description="Reward-model training (Bradley-Terry on pairs).")
     lr: float = Field(default=1e-5, gt=0, le=1.0, description="Peak learning rate (AdamW).")
     center_rewards_coef: float | None = Field(

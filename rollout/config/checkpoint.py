@@ -12,7 +12,9 @@ class CheckpointSection(ConfigModel):
         default=50, ge=1, description="Save a checkpoint every this many steps (and at the end)."
     )
     keep_last: int = Field(
-        default=3, ge=1, description="Keep this many most recent checkpoints; older ones are deleted."
+        default=3,
+        ge=1,
+        description="Keep this many most recent checkpoints; older ones are deleted.",
     )
     save_optimizer: bool = Field(
         default=True,

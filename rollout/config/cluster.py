@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -23,7 +23,7 @@ class ClusterSection(ConfigModel):
         default="auto",
         description="Device kind. 'auto' is cuda when the planning machine has GPUs, else cpu.",
     )
-    placement: dict[Role, list[int]] | None = Field(
+    placement: dict[Role, list[Annotated[int, Field(ge=0)]]] | None = Field(
         default=None,
         description="None (the default): colocated, every process runs every role the algorithm "
         "needs. Or a table mapping each role to the global process ranks "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -15,7 +15,9 @@ class GenerationSection(ConfigModel):
         description="Generation backend: 'hf' (embedded, runs anywhere) or 'vllm' (GPU only; "
         "install rollout[vllm]).",
     )
-    max_new_tokens: int = Field(default=256, ge=1, description="Most tokens generated per completion.")
+    max_new_tokens: int = Field(
+        default=256, ge=1, description="Most tokens generated per completion."
+    )
     max_prompt_tokens: int = Field(
         default=512,
         ge=1,
@@ -24,9 +26,13 @@ class GenerationSection(ConfigModel):
     temperature: float = Field(
         default=1.0, ge=0, description="Sampling temperature; 0 is greedy decoding."
     )
-    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass; 1 disables it.")
-    top_k: int = Field(default=0, ge=0, description="Sample among the k likeliest tokens; 0 disables.")
-    stop: list[str] = Field(
+    top_p: float = Field(
+        default=1.0, gt=0, le=1, description="Nucleus sampling mass; 1 disables it."
+    )
+    top_k: int = Field(
+        default=0, ge=0, description="Sample among the k likeliest tokens; 0 disables."
+    )
+    stop: list[Annotated[str, Field(min_length=1)]] = Field(
         default_factory=list,
         description="Stop a completion when it produces any of these strings (kept out of the text).",
     )

@@ -34,16 +34,23 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     kind = SUFFIXES.get(path.suffix.lower())
     if kind is None:
         raise ConfigError(
-            Issue(source, f"unknown config file type {path.suffix!r}",
-                  hint="use a .toml, .yaml/.yml or .json file"),
+            Issue(
+                source,
+                f"unknown config file type {path.suffix!r}",
+                hint="use a .toml, .yaml/.yml or .json file",
+            ),
             source=source,
         )
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(Issue(source, "no such file", hint=_nearby_files(path)), source=source) from None
+        raise ConfigError(
+            Issue(source, "no such file", hint=_nearby_files(path)), source=source
+        ) from None
     except IsADirectoryError:
-        raise ConfigError(Issue(source, "is a directory, not a config file"), source=source) from None
+        raise ConfigError(
+            Issue(source, "is a directory, not a config file"), source=source
+        ) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(Issue(source, f"cannot read: {exc}"), source=source) from None
     data = _parse(text, kind, source)
@@ -65,8 +72,10 @@ def _parse(text: str, kind: str, source: str) -> Any:
         try:
             return json.loads(text)
         except json.JSONDecodeError as exc:
-            issue = Issue(f"{source}:{exc.lineno}:{exc.colno}",
-                          f"JSON syntax error at line {exc.lineno}, column {exc.colno}: {exc.msg}")
+            issue = Issue(
+                f"{source}:{exc.lineno}:{exc.colno}",
+                f"JSON syntax error at line {exc.lineno}, column {exc.colno}: {exc.msg}",
+            )
             raise ConfigError(issue, source=source) from None
     import yaml  # only YAML configs pay for the import
 
@@ -77,7 +86,9 @@ def _parse(text: str, kind: str, source: str) -> Any:
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
         problem = getattr(exc, "problem", None) or str(exc)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(Issue(where, f"YAML syntax error{at}: {problem}"), source=source) from None
+        raise ConfigError(
+            Issue(where, f"YAML syntax error{at}: {problem}"), source=source
+        ) from None
 
 
 _TOML_POSITION = re.compile(r"\(at line (\d+), column (\d+)\)")
@@ -89,8 +100,10 @@ def _syntax_issue(source: str, language: str, message: str) -> Issue:
         return Issue(source, f"{language} syntax error: {message}")
     line, column = match.groups()
     what = _TOML_POSITION.sub("", message).strip()
-    return Issue(f"{source}:{line}:{column}",
-                 f"{language} syntax error at line {line}, column {column}: {what}")
+    return Issue(
+        f"{source}:{line}:{column}",
+        f"{language} syntax error at line {line}, column {column}: {what}",
+    )
 
 
 def _nearby_files(path: Path) -> str | None:
@@ -107,7 +120,9 @@ def _nearby_files(path: Path) -> str | None:
 # --- --set a.b.c=VALUE -------------------------------------------------------------------------
 
 
-def apply_overrides(raw: Mapping[str, Any], overrides: Iterable[str], *, source: str | None = None) -> dict[str, Any]:
+def apply_overrides(
+    raw: Mapping[str, Any], overrides: Iterable[str], *, source: str | None = None
+) -> dict[str, Any]:
     """Return a copy of ``raw`` with each ``dotted.key=VALUE`` applied.
 
     VALUE is read as a TOML value (``3``, ``1e-5``, ``true``, ``"text"``, ``[1, 2]``,
@@ -141,8 +156,10 @@ def _parse_override(override: str) -> tuple[list[str | int], Any]:
     for segment in key.split("."):
         match = _SEGMENT.match(segment)
         if not match:
-            raise ValueError(f"{segment!r} is not a valid key segment (letters, digits, _ and -, "
-                             "optionally followed by [index])")
+            raise ValueError(
+                f"{segment!r} is not a valid key segment (letters, digits, _ and -, "
+                "optionally followed by [index])"
+            )
         path.append(match.group(1))
         path.extend(int(i) for i in re.findall(r"\[(\d+)\]", match.group(2)))
     return path, _parse_value(text.strip())

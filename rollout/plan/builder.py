@@ -1,0 +1,423 @@
+"""Build a Plan from a config: the only place derived values are computed.
+
+Stages that do not depend on each other (model, data, plugins, hardware) all run, and their
+problems are reported together, so a user fixes everything in one round. Only when they all pass
+are the graph and the memory estimate built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import math
+import platform
+import secrets
+from collections.abc import Callable, Iterable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, TypeVar
+
+from rollout import __version__
+from rollout.config import load_config
+from rollout.config.algorithm import ONLINE_KINDS, PAIRED_PREFERENCE_KINDS
+from rollout.config.root import RunConfig
+from rollout.config.rules import needed_fields
+from rollout.errors import Issue, PlanError, RolloutError
+from rollout.plan.definition import (
+    DataFacts,
+    Derived,
+    Graph,
+    HardwareFacts,
+    ModelFacts,
+    Plan,
+    PluginIdentity,
+    Seeds,
+    Versions,
+)
+from rollout.plan.fingerprint import sha256_file
+from rollout.plan.hardware import probe_hardware
+from rollout.plan.inspect_data import inspect_data
+from rollout.plan.inspect_model import inspect_model
+from rollout.plan.memory import check_fits, estimate_memory
+from rollout.plan.placement import build_graph
+from rollout.plugins.resolve import installed_version
+
+T = TypeVar("T")
+
+
+def build_plan(
+    config: str | Path | RunConfig,
+    *,
+    overrides: Iterable[str] = (),
+    base_dir: str | Path | None = None,
+    hardware: HardwareFacts | None = None,
+    run_id: str | None = None,
+    created_at: datetime | None = None,
+) -> Plan:
+    """Validate, inspect and freeze. Raises ConfigError or PlanError with every problem found.
+
+    config: a config file path, or an already validated RunConfig (then ``base_dir`` says where
+        its relative paths start; default the working directory).
+    hardware: facts to plan for instead of probing this machine (tests, planning for elsewhere).
+    """
+    config_path: Path | None = None
+    if isinstance(config, RunConfig):
+        run_config = config
+    else:
+        config_path = Path(config).resolve()
+        run_config = load_config(config_path, overrides)
+    base = (
+        Path(base_dir).resolve()
+        if base_dir
+        else (config_path.parent if config_path else Path.cwd())
+    )
+
+    issues: list[Issue] = []
+    hardware = hardware or probe_hardware()
+    model = _collect(issues, lambda: inspect_model(run_config.model, base_dir=base))
+    data = _inspect_all_data(run_config, base, issues)
+    fields = _reward_fields(run_config, data)
+    plugins = _resolve_rewards(run_config, base, fields, issues)
+    device = _resolve_device(run_config, hardware, issues)
+    if model is not None:
+        issues.extend(_context_issues(run_config, model))
+    issues.extend(_device_issues(run_config, device))
+    graph = build_graph(run_config, device) if device is not None else None
+    if graph is not None:
+        issues.extend(_learner_split_issues(run_config, graph))
+    if issues:
+        raise PlanError(issues, source=str(config_path) if config_path else None)
+    assert model is not None and graph is not None  # no issues means every stage produced
+
+    when = (created_at or datetime.now(timezone.utc)).replace(microsecond=0)
+    run_id = run_id or make_run_id(run_config.run.name, when)
+    derived = _derive(run_config, data, hardware, graph, run_id)
+    memory = estimate_memory(run_config, model, graph, derived, hardware)
+    check_fits(memory, source=str(config_path) if config_path else None)
+    return Plan(
+        run_id=run_id,
+        created_at=when.isoformat(),
+        config_path=str(config_path) if config_path else None,
+        config_sha256=sha256_file(config_path) if config_path else None,
+        base_dir=str(base),
+        config=run_config,
+        derived=derived,
+        plugins=plugins,
+        model=model,
+        data=data,
+        hardware=hardware,
+        graph=graph,
+        memory=memory,
+        versions=current_versions(),
+        seeds=_seeds(run_config.run.seed, graph.world_size),
+    )
+
+
+def _collect(issues: list[Issue], stage: Callable[[], T]) -> T | None:
+    """Run one planning stage; keep its issues instead of stopping at the first stage."""
+    try:
+        return stage()
+    except RolloutError as error:
+        issues.extend(error.issues)
+        return None
+
+
+# --- data --------------------------------------------------------------------------------------
+
+
+def _required_fields(config: RunConfig) -> dict[str, str]:
+    """Role -> record field every record must have: what the algorithm needs, plus every field
+    the user mapped explicitly (a mapped field that is missing is a mistake either way)."""
+    mapping = config.data.fields
+    needed = {name for group in needed_fields(config.algorithm.kind) for name in group}
+    roles = needed | mapping.model_fields_set
+    return {role: getattr(mapping, role) for role in sorted(roles) if getattr(mapping, role)}
+
+
+def _inspect_all_data(config: RunConfig, base: Path, issues: list[Issue]) -> list[DataFacts]:
+    required = _required_fields(config)
+    mapping = config.data.fields
+    paired = None
+    if config.algorithm.kind in PAIRED_PREFERENCE_KINDS and mapping.chosen and mapping.rejected:
+        paired = (mapping.chosen, mapping.rejected)
+    facts = []
+    splits = [("train", config.data.train), ("eval", config.data.eval)]
+    for split, source in splits:
+        if source is None:
+            continue
+        found = _collect(
+            issues,
+            lambda s=source, n=split: inspect_data(
+                s, split=n, base_dir=base, required=required, paired=paired
+            ),
+        )
+        if found is not None:
+            facts.append(found)
+    return facts
+
+
+def _reward_fields(config: RunConfig, data: list[DataFacts]) -> set[str]:
+    """Keyword arguments a reward can count on: the record's own fields and the mapped roles."""
+    fields: set[str] = set()
+    for facts in data:
+        if facts.split == "train":
+            fields |= set(facts.fields)
+    mapping = config.data.fields.model_dump()
+    fields |= {role for role, field in mapping.items() if field is not None}
+    return fields
+
+
+# --- plugins -----------------------------------------------------------------------------------
+
+
+def _resolve_rewards(
+    config: RunConfig, base: Path, fields: set[str], issues: list[Issue]
+) -> list[PluginIdentity]:
+    from rollout.harness.rewards import BUILTIN_REWARDS
+    from rollout.plugins.resolve import check_reward_signature, resolve_plugin
+
+    identities = []
+    for i, spec in enumerate(config.rewards):
+        used_by = f"rewards[{i}].fn"
+        resolved = _collect(
+            issues,
+            lambda s=spec, u=used_by: resolve_plugin(
+                s.fn, base_dir=base, used_by=u, builtins=BUILTIN_REWARDS
+            ),
+        )
+        if resolved is None:
+            continue
+        identities.append(resolved.identity)
+        issues.extend(
+            check_reward_signature(
+                resolved.fn, options=spec.options, fields=fields, used_by=used_by
+            )
+        )
+    return identities
+
+
+# --- device and shapes -------------------------------------------------------------------------
+
+
+def _resolve_device(config: RunConfig, hardware: HardwareFacts, issues: list[Issue]) -> str | None:
+    wanted = config.cluster.device
+    gpus = len(hardware.gpus)
+    if wanted == "auto":
+        return "cuda" if gpus else "cpu"
+    if wanted == "cuda" and not gpus:
+        issues.append(
+            Issue(
+                "cluster.device",
+                "cuda was asked for but this machine has no NVIDIA GPU",
+                value="cuda",
+                hint='use device = "cpu" or "auto", or plan on the GPU machine',
+            )
+        )
+        return None
+    if wanted == "cuda" and config.cluster.nnodes == 1 and config.cluster.nproc_per_node > gpus:
+        issues.append(
+            Issue(
+                "cluster.nproc_per_node",
+                f"{config.cluster.nproc_per_node} processes need as many GPUs, this machine "
+                f"has {gpus}",
+                value=config.cluster.nproc_per_node,
+                hint=f"use nproc_per_node = {gpus} or fewer",
+            )
+        )
+    return wanted
+
+
+def _device_issues(config: RunConfig, device: str | None) -> list[Issue]:
+    issues = []
+    if device == "cpu" and config.model.dtype == "float16":
+        issues.append(
+            Issue(
+                "model.dtype",
+                "float16 is not supported for training on CPU",
+                value="float16",
+                hint='use "float32" or "bfloat16"',
+            )
+        )
+    uses_generation = config.algorithm.kind in ONLINE_KINDS
+    if uses_generation and config.generation.engine == "vllm":
+        if device != "cuda":
+            issues.append(
+                Issue(
+                    "generation.engine",
+                    f"vllm needs a CUDA GPU, and this plan runs on {device or 'no device'}",
+                    value="vllm",
+                    hint='use engine = "hf"',
+                )
+            )
+        if importlib.util.find_spec("vllm") is None:
+            issues.append(
+                Issue(
+                    "generation.engine",
+                    "vllm is not installed",
+                    value="vllm",
+                    hint="pip install 'rollout[vllm]' on a CUDA machine, or use engine = \"hf\"",
+                )
+            )
+    return issues
+
+
+def _context_issues(config: RunConfig, model: ModelFacts) -> list[Issue]:
+    limit = model.context_length
+    if config.algorithm.kind in ONLINE_KINDS:
+        gen = config.generation
+        needed = gen.max_prompt_tokens + gen.max_new_tokens
+        if needed > limit:
+            return [
+                Issue(
+                    "generation.max_new_tokens",
+                    f"max_prompt_tokens {gen.max_prompt_tokens} + max_new_tokens "
+                    f"{gen.max_new_tokens} = {needed} exceeds the model's context of {limit}",
+                    value=gen.max_new_tokens,
+                    hint=f"keep their sum at or below {limit}",
+                )
+            ]
+    elif config.algorithm.max_length > limit:
+        return [
+            Issue(
+                "algorithm.max_length",
+                f"max_length {config.algorithm.max_length} exceeds the model's context of {limit}",
+                value=config.algorithm.max_length,
+                hint=f"use {limit} or less",
+            )
+        ]
+    return []
+
+
+def _learner_split_issues(config: RunConfig, graph: Graph) -> list[Issue]:
+    """Batches are global; each learner rank takes an equal share of every minibatch."""
+    learners = _learner_count(graph)
+    algo = config.algorithm
+    if algo.kind in ONLINE_KINDS:
+        name, minibatch = "minibatch_size", algo.minibatch_size or algo.rollout_batch_size
+    else:
+        name, minibatch = "batch_size", algo.batch_size
+    if minibatch % learners:
+        return [
+            Issue(
+                f"algorithm.{name}",
+                f"{name} {minibatch} cannot be split evenly over {learners} learner processes",
+                value=minibatch,
+                hint=f"use a multiple of {learners}, or change cluster.nproc_per_node",
+            )
+        ]
+    per_rank = minibatch // learners
+    if algo.micro_batch_size is not None and per_rank % algo.micro_batch_size:
+        return [
+            Issue(
+                "algorithm.micro_batch_size",
+                f"each of {learners} learner processes gets {per_rank} sequences per minibatch, "
+                f"which micro_batch_size {algo.micro_batch_size} does not divide",
+                value=algo.micro_batch_size,
+                hint=f"use a divisor of {per_rank}",
+            )
+        ]
+    return []
+
+
+def _learner_count(graph: Graph) -> int:
+    return next(len(r.ranks) for r in graph.roles if r.role == "learner")
+
+
+# --- derived values ----------------------------------------------------------------------------
+
+
+def _derive(
+    config: RunConfig, data: list[DataFacts], hardware: HardwareFacts, graph: Graph, run_id: str
+) -> Derived:
+    algo = config.algorithm
+    run_dir = Path(config.run.output_dir).resolve() / run_id
+    learners = _learner_count(graph)
+    if algo.kind in ONLINE_KINDS:
+        minibatch = algo.minibatch_size or algo.rollout_batch_size
+        prompts_per_step = algo.rollout_batch_size // algo.num_generations
+        optimizer_steps = algo.rollout_batch_size // minibatch * algo.update_epochs
+        total_steps = algo.max_steps
+        max_len = config.generation.max_prompt_tokens + config.generation.max_new_tokens
+    else:
+        minibatch = algo.batch_size
+        prompts_per_step = optimizer_steps = None
+        train = next(f for f in data if f.split == "train")
+        total_steps = math.ceil(train.num_records / algo.batch_size) * algo.epochs
+        if algo.max_steps is not None:
+            total_steps = min(total_steps, algo.max_steps)
+        max_len = algo.max_length
+    micro = algo.micro_batch_size or max(1, minibatch // learners)
+    per_rank = max(1, minibatch // learners)
+    return Derived(
+        dtype=_dtype(config, graph.device),
+        run_dir=str(run_dir),
+        store=_store(config),
+        artifacts=_artifacts(config, run_dir),
+        threads_per_process=config.cluster.threads_per_process
+        or max(1, hardware.cpu_count // config.cluster.nproc_per_node),
+        prompts_per_step=prompts_per_step,
+        minibatch_size=minibatch,
+        micro_batch_size=micro,
+        grad_accumulation=max(1, per_rank // micro),
+        optimizer_steps_per_step=optimizer_steps,
+        total_steps=total_steps,
+        max_sequence_length=max_len,
+    )
+
+
+def _dtype(config: RunConfig, device: str) -> Any:
+    if config.model.dtype != "auto":
+        return config.model.dtype
+    return "float32" if device == "cpu" else "bfloat16"
+
+
+def _store(config: RunConfig) -> str:
+    storage = config.storage
+    if storage.backend == "postgres":
+        return f"postgres:{storage.postgres_dsn}"
+    path = storage.sqlite_path or str(Path(config.run.output_dir) / "rollout.db")
+    return f"sqlite:{Path(path).resolve()}"
+
+
+def _artifacts(config: RunConfig, run_dir: Path) -> str:
+    location = config.storage.artifacts
+    if location is None:
+        return str(run_dir / "checkpoints")
+    if "://" in location and not location.startswith("file://"):
+        return location.rstrip("/")
+    return str(Path(location.removeprefix("file://")).resolve())
+
+
+# --- identity ----------------------------------------------------------------------------------
+
+
+def make_run_id(name: str, when: datetime) -> str:
+    """``NAME-YYYYmmdd-HHMMSS-xxxxxx``: sortable by time, unique, safe in paths and URLs."""
+    return f"{name}-{when.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def _seeds(root: int, world_size: int) -> Seeds:
+    return Seeds(
+        root=root,
+        data=derive_seed(root, "data"),
+        sampling=derive_seed(root, "sampling"),
+        per_rank=[derive_seed(root, f"rank{rank}") for rank in range(world_size)],
+    )
+
+
+def derive_seed(root: int, purpose: str) -> int:
+    """A stable 31-bit seed for one purpose, independent of every other purpose's stream."""
+    digest = hashlib.sha256(f"{root}:{purpose}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def current_versions() -> Versions:
+    """Versions read from package metadata: planning never imports torch to learn its version."""
+    return Versions(
+        python=platform.python_version(),
+        rollout=__version__,
+        pydantic=installed_version("pydantic"),
+        torch=installed_version("torch"),
+        transformers=installed_version("transformers"),
+        vllm=installed_version("vllm"),
+    )

@@ -1,0 +1,172 @@
+"""Render a Plan for people: what will run where, how much memory it takes, which code it calls."""
+
+from __future__ import annotations
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from rollout.config.algorithm import ONLINE_KINDS
+from rollout.plan.definition import Plan
+from rollout.plan.memory import GIB
+
+
+def explain(plan: Plan, console: Console) -> None:
+    console.print(_header(plan))
+    console.print(_model_and_data(plan))
+    console.print(_batches(plan))
+    console.print(_graph(plan))
+    console.print(_memory(plan))
+    if plan.plugins:
+        console.print(_plugins(plan))
+    console.print(_environment(plan))
+
+
+def _header(plan: Plan) -> Panel:
+    config = plan.config
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column(overflow="fold")
+    grid.add_row(
+        "run", f"{plan.run_id}: {config.algorithm.kind} for {plan.derived.total_steps} steps"
+    )
+    grid.add_row("config", plan.config_path or "(in memory)")
+    grid.add_row("run dir", plan.derived.run_dir)
+    grid.add_row("store", plan.derived.store)
+    grid.add_row(
+        "checkpoints",
+        f"{plan.derived.artifacts} (every {config.checkpoint.interval} steps, keep "
+        f"{config.checkpoint.keep_last})",
+    )
+    return Panel(grid, title="rollout plan", title_align="left")
+
+
+def _model_and_data(plan: Plan) -> Table:
+    model = plan.model
+    table = Table(title="Model and data", title_justify="left", show_header=False, box=None)
+    table.add_column(style="bold")
+    table.add_column()
+    quant = f", {model.quantization} on disk" if model.quantization else ""
+    table.add_row("model", f"{model.architecture} from {model.location}")
+    table.add_row(
+        "",
+        f"{model.num_parameters / 1e6:.1f}M params, {model.num_layers} layers, hidden "
+        f"{model.hidden_size}, vocab {model.vocab_size}, context {model.context_length}, "
+        f"{plan.derived.dtype}{quant}",
+    )
+    table.add_row("", "chat template: " + ("yes" if model.chat_template else "no"))
+    for facts in plan.data:
+        table.add_row(
+            facts.split,
+            f"{facts.location} ({facts.format}, {facts.num_records} records; fields: "
+            f"{', '.join(facts.fields)})",
+        )
+    return table
+
+
+def _batches(plan: Plan) -> Table:
+    derived = plan.derived
+    algo = plan.config.algorithm
+    table = Table(title="Batches", title_justify="left", show_header=False, box=None)
+    table.add_column(style="bold")
+    table.add_column()
+    if algo.kind in ONLINE_KINDS:
+        gen = plan.config.generation
+        table.add_row(
+            "per step",
+            f"{derived.prompts_per_step} prompts x {algo.num_generations} generations = "
+            f"{algo.rollout_batch_size} completions, <= {gen.max_new_tokens} new tokens each",
+        )
+        table.add_row(
+            "updates",
+            f"{derived.optimizer_steps_per_step} optimizer step(s) per step: minibatch "
+            f"{derived.minibatch_size}, micro batch {derived.micro_batch_size}, "
+            f"{algo.update_epochs} epoch(s)",
+        )
+        table.add_row(
+            "engine", f"{gen.engine}, batch limit {gen.max_batch_size or algo.rollout_batch_size}"
+        )
+    else:
+        table.add_row(
+            "per step",
+            f"{derived.minibatch_size} samples, micro batch {derived.micro_batch_size} "
+            f"(x{derived.grad_accumulation} accumulation), max length {derived.max_sequence_length}",
+        )
+    table.add_row("lr", f"{algo.lr:g}, {algo.lr_schedule}, warmup {algo.warmup_steps}")
+    return table
+
+
+def _graph(plan: Plan) -> Table:
+    graph = plan.graph
+    table = Table(
+        title=f"Roles on {graph.world_size} process(es), {graph.nnodes} node(s), {graph.device}, "
+        f"{graph.backend}",
+        title_justify="left",
+    )
+    table.add_column("role", style="bold")
+    table.add_column("ranks")
+    table.add_column("what it does")
+    for role in graph.roles:
+        table.add_row(role.role, ",".join(map(str, role.ranks)), role.what)
+    for edge in graph.edges:
+        table.add_row(
+            Text(f"{edge.source} -> {edge.target}", style="dim"),
+            Text(edge.transport.replace("_", " "), style="dim"),
+            Text(edge.kind.replace("_", " "), style="dim"),
+        )
+    return table
+
+
+def _memory(plan: Plan) -> Table:
+    """One column per device, one row per item: stays readable however many items there are."""
+    table = Table(title="Memory estimate", title_justify="left")
+    table.add_column("item", style="bold")
+    for estimate in plan.memory:
+        table.add_column(estimate.device, justify="right")
+    items = sorted({name for estimate in plan.memory for name in estimate.items})
+    for name in items:
+        table.add_row(name.replace("_", " "), *(_gib(e.items.get(name, 0)) for e in plan.memory))
+    table.add_row("[bold]total[/]", *(f"[bold]{_gib(e.total_bytes)}[/]" for e in plan.memory))
+    table.add_row("capacity", *(_gib(e.capacity_bytes) for e in plan.memory))
+    table.add_row("fits", *("[green]yes[/]" if e.fits else "[red]no[/]" for e in plan.memory))
+    return table
+
+
+def _plugins(plan: Plan) -> Table:
+    table = Table(title="Plugins", title_justify="left")
+    table.add_column("used by", style="bold", no_wrap=True)
+    table.add_column("reference", overflow="fold")
+    table.add_column("resolved to", overflow="fold")
+    table.add_column("identity", overflow="fold")
+    for plugin in plan.plugins:
+        if plugin.distribution:
+            identity = f"{plugin.distribution} {plugin.version}"
+        else:
+            identity = f"sha256 {plugin.sha256[:12] if plugin.sha256 else '?'}"
+        table.add_row(plugin.used_by, plugin.ref, f"{plugin.module}:{plugin.qualname}", identity)
+    return table
+
+
+def _environment(plan: Plan) -> Group:
+    hw = plan.hardware
+    gpus = ", ".join(f"{g.name} ({_gib(g.memory_bytes)})" for g in hw.gpus) or "none"
+    versions = plan.versions
+    installed = [f"python {versions.python}", f"rollout {versions.rollout}"]
+    installed += [
+        f"{name} {getattr(versions, name)}"
+        for name in ("torch", "transformers", "vllm")
+        if getattr(versions, name)
+    ]
+    return Group(
+        Text(f"hardware  {hw.cpu_count} CPU cores, {_gib(hw.memory_bytes)} RAM, GPUs: {gpus}"),
+        Text(f"versions  {', '.join(installed)}"),
+        Text(
+            f"seeds     root {plan.seeds.root}, data {plan.seeds.data}, sampling "
+            f"{plan.seeds.sampling}"
+        ),
+    )
+
+
+def _gib(size: int) -> str:
+    return f"{size / GIB:.2f} GiB" if size >= GIB / 100 else f"{size / 1024**2:.1f} MiB"

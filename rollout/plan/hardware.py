@@ -1,0 +1,100 @@
+"""What this machine offers a run: CPU cores, memory and NVIDIA GPUs, probed without torch.
+
+GPUs come from `nvidia-smi`, so planning never initializes CUDA; a machine where it is missing or
+fails is planned as one without GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+
+from rollout.plan.definition import GpuFacts, HardwareFacts
+
+NVIDIA_SMI_QUERY = ["--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"]
+NVIDIA_SMI_TIMEOUT_S = 10
+
+_MIB = 1 << 20
+_KIB = 1 << 10
+
+
+def probe_hardware() -> HardwareFacts:
+    total, available = _memory()
+    return HardwareFacts(
+        platform=platform.platform(terse=True),
+        cpu_count=_cpu_count(),
+        memory_bytes=total,
+        memory_available_bytes=available,
+        gpus=_gpus(),
+    )
+
+
+def parse_nvidia_smi(text: str) -> list[GpuFacts]:
+    """GPUs from `nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader,nounits`.
+
+    Each line reads like "0, NVIDIA H100 80GB HBM3, 81559" (memory in MiB). Raises ValueError on a
+    line that does not.
+    """
+    gpus = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        index, *name, memory = (part.strip() for part in line.split(","))
+        if not name:
+            raise ValueError(f"unexpected nvidia-smi line: {line!r}")
+        gpus.append(
+            GpuFacts(index=int(index), name=", ".join(name), memory_bytes=int(memory) * _MIB)
+        )
+    return gpus
+
+
+def parse_meminfo(text: str) -> tuple[int, int]:
+    """(total, available) bytes from /proc/meminfo. Kernels before 3.14 lack MemAvailable: MemFree."""
+    values = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        fields = rest.split()
+        if fields:
+            values[name] = int(fields[0]) * _KIB
+    return values["MemTotal"], values.get("MemAvailable", values["MemFree"])
+
+
+def _cpu_count() -> int:
+    # The cores this process may run on (taskset, cgroup cpusets), not all the machine has.
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no sched_getaffinity
+        return os.cpu_count() or 1
+
+
+def _memory() -> tuple[int, int]:
+    try:
+        with open("/proc/meminfo") as handle:
+            return parse_meminfo(handle.read())
+    except (OSError, KeyError, ValueError):
+        page = os.sysconf("SC_PAGE_SIZE")
+        total = page * os.sysconf("SC_PHYS_PAGES")
+        try:
+            return total, page * os.sysconf("SC_AVPHYS_PAGES")
+        except ValueError:  # macOS cannot say what is available
+            return total, total
+
+
+def _gpus() -> list[GpuFacts]:
+    executable = shutil.which("nvidia-smi")
+    if executable is None:
+        return []
+    try:
+        result = subprocess.run(
+            [executable, *NVIDIA_SMI_QUERY],
+            capture_output=True,
+            text=True,
+            timeout=NVIDIA_SMI_TIMEOUT_S,
+            check=True,
+        )
+        return parse_nvidia_smi(result.stdout)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        # A broken driver, a hung query or output we cannot read: plan for no GPUs.
+        return []

@@ -1,0 +1,88 @@
+"""The actor/learner graph: which roles exist, which process and device runs each, how they talk.
+
+Colocated (the default) puts every role on every process, so edges stay inside a process. An
+explicit placement maps roles to global ranks; an edge between roles that do not share their ranks
+goes through torch.distributed. Roles the placement leaves out follow the role they serve (reward
+runs beside the actor; reference and critic beside the learner).
+"""
+
+from __future__ import annotations
+
+from rollout.config.root import RunConfig
+from rollout.config.rules import roles_for
+from rollout.plan.definition import Edge, Graph, ProcessSpec, RoleSpec
+
+ROLE_ORDER = ("actor", "reward", "reference", "critic", "learner")
+
+_WHAT = {
+    "actor": "generates completions with the {engine} engine",
+    "reward": "scores completions with {n_rewards} reward function(s)",
+    "reference": "frozen copy of the initial policy: log-probs for the KL term",
+    "critic": "value model: per-token value estimates for GAE",
+    "learner": "computes the {kind} loss and updates the policy",
+}
+
+_FOLLOWS = {"reward": "actor", "reference": "learner", "critic": "learner"}
+
+# (source, target, kind): the data that flows between roles, when both exist.
+_EDGES = (
+    ("actor", "learner", "rollout_queue"),
+    ("learner", "actor", "weight_sync"),
+    ("reward", "learner", "rewards"),
+    ("reference", "learner", "reference_logprobs"),
+    ("critic", "learner", "values"),
+)
+
+
+def build_graph(config: RunConfig, device: str) -> Graph:
+    """Lay out roles on processes. ``device`` is the resolved kind: 'cpu' or 'cuda'."""
+    cluster = config.cluster
+    world = cluster.nnodes * cluster.nproc_per_node
+    roles = [r for r in ROLE_ORDER if r in roles_for(config)]
+    ranks = _role_ranks(roles, cluster.placement, world)
+    processes = [
+        ProcessSpec(
+            rank=rank,
+            node=rank // cluster.nproc_per_node,
+            local_rank=rank % cluster.nproc_per_node,
+            device="cpu" if device == "cpu" else f"cuda:{rank % cluster.nproc_per_node}",
+            roles=[r for r in roles if rank in ranks[r]],
+        )
+        for rank in range(world)
+    ]
+    what = {
+        "engine": config.generation.engine,
+        "n_rewards": len(config.rewards),
+        "kind": config.algorithm.kind,
+    }
+    return Graph(
+        world_size=world,
+        nnodes=cluster.nnodes,
+        nproc_per_node=cluster.nproc_per_node,
+        device=device,
+        backend="gloo" if device == "cpu" else "nccl",
+        roles=[RoleSpec(role=r, ranks=ranks[r], what=_WHAT[r].format(**what)) for r in roles],
+        processes=processes,
+        edges=[
+            Edge(
+                source=src,
+                target=dst,
+                kind=kind,
+                transport="in_process" if ranks[src] == ranks[dst] else "torch_distributed",
+            )
+            for src, dst, kind in _EDGES
+            if src in ranks and dst in ranks
+        ],
+    )
+
+
+def _role_ranks(
+    roles: list[str], placement: dict[str, list[int]] | None, world: int
+) -> dict[str, list[int]]:
+    if placement is None:
+        return {role: list(range(world)) for role in roles}
+    ranks = {role: sorted(placement[role]) for role in roles if role in placement}
+    for role in roles:
+        if role not in ranks:
+            ranks[role] = ranks[_FOLLOWS[role]]
+    return ranks

@@ -1,0 +1,497 @@
+"""Resolve plugin references to callables, fingerprint them, and notice when they change.
+
+A reference is one of:
+
+    numeric_match              a built-in, else an installed entry point in the group
+    my_pkg.rewards:score       a module on the import path, then an attribute path in it
+    ./rewards.py:score         a file, relative to the config's directory (or absolute)
+
+Resolving imports the plugin (planning is the place to find out it does not import); checking a
+plan for staleness does not: it compares distribution versions and file hashes only. Every failure
+is a PlanError with one Issue at the config path that holds the reference, without traceback text.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+import json
+import re
+import sys
+import traceback
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType, TracebackType
+from typing import Any
+
+from rollout.errors import Issue, PlanError
+from rollout.plan.definition import PluginIdentity
+from rollout.plan.fingerprint import sha256_bytes, sha256_file
+
+_FILE_REF = re.compile(r"^(?P<file>[^:]+\.py):(?P<attr>[A-Za-z_][A-Za-z0-9_.]*)$")
+_MODULE_REF = re.compile(r"^(?P<module>[A-Za-z_][\w.]*):(?P<attr>[A-Za-z_][A-Za-z0-9_.]*)$")
+
+VersionLookup = Callable[[str], str | None]
+
+
+@dataclass(frozen=True)
+class ResolvedPlugin:
+    fn: Callable[..., Any]
+    identity: PluginIdentity
+
+
+def resolve_plugin(
+    ref: str,
+    *,
+    base_dir: Path,
+    used_by: str,
+    group: str = "rollout.rewards",
+    builtins: Mapping[str, Callable[..., Any]],
+) -> ResolvedPlugin:
+    """Import what ``ref`` names and describe it precisely enough to notice when it changes."""
+    if match := _FILE_REF.match(ref):
+        return _resolve_file(ref, Path(base_dir), match["file"], match["attr"], used_by)
+    if match := _MODULE_REF.match(ref):
+        return _resolve_module(ref, match["module"], match["attr"], used_by, kind="module")
+    if ref in builtins:
+        return _resolve_builtin(ref, builtins[ref], used_by)
+    return _resolve_entry_point(ref, group, builtins, used_by)
+
+
+# ---------------------------------------------------------------------------------------------
+# the four kinds
+
+
+def _resolve_builtin(ref: str, fn: Callable[..., Any], used_by: str) -> ResolvedPlugin:
+    identity = PluginIdentity(
+        used_by=used_by,
+        ref=ref,
+        kind="builtin",
+        module=fn.__module__,
+        qualname=fn.__qualname__,
+        path=_source_file(fn, sys.modules[fn.__module__]),
+        distribution="rollout",
+        version=installed_version("rollout"),
+        signature=_signature_text(fn),
+    )
+    return ResolvedPlugin(fn, identity)
+
+
+def _resolve_module(
+    ref: str,
+    module_name: str,
+    attr: str,
+    used_by: str,
+    *,
+    kind: str,
+    distribution: str | None = None,
+) -> ResolvedPlugin:
+    module = _import_module(module_name, ref, used_by)
+    fn = _get_callable(module, attr, label=module_name, ref=ref, used_by=used_by)
+    path = _source_file(fn, module)
+    distribution = distribution or _distribution_of(module_name)
+    # Outside any distribution there is no version to compare, and an editable install keeps
+    # its version while its code changes: the source file's bytes stand in.
+    by_content = distribution is None or _is_editable(distribution)
+    identity = PluginIdentity(
+        used_by=used_by,
+        ref=ref,
+        kind=kind,
+        module=module_name,
+        qualname=attr,
+        path=path,
+        sha256=sha256_file(path) if by_content and path else None,
+        distribution=distribution,
+        version=installed_version(distribution) if distribution else None,
+        signature=_signature_text(fn),
+    )
+    return ResolvedPlugin(fn, identity)
+
+
+def _resolve_entry_point(
+    name: str, group: str, builtins: Mapping[str, Callable[..., Any]], used_by: str
+) -> ResolvedPlugin:
+    found = {ep.value: ep for ep in importlib.metadata.entry_points(group=group, name=name)}
+    if not found:
+        raise _error(
+            used_by,
+            ref=name,
+            message=f"no built-in and no installed entry point in group {group!r} has this name",
+            hint=_unknown_name_hint(name, group, builtins),
+        )
+    if len(found) > 1:
+        owners = ", ".join(sorted(f"{_dist_name(ep)} ({ep.value})" for ep in found.values()))
+        raise _error(
+            used_by,
+            ref=name,
+            message=f"several installed distributions provide the entry point {name!r} in group "
+            f"{group!r}: {owners}",
+            hint="uninstall all but one, or reference the function directly as 'module:function'",
+        )
+    (entry_point,) = found.values()
+    return _resolve_module(
+        name,
+        entry_point.module,
+        entry_point.attr,
+        used_by,
+        kind="entry_point",
+        distribution=_dist_name(entry_point),
+    )
+
+
+def _resolve_file(ref: str, base_dir: Path, file: str, attr: str, used_by: str) -> ResolvedPlugin:
+    path = (base_dir / file).resolve()
+    if not path.is_file():
+        raise _error(
+            used_by,
+            ref=ref,
+            message=f"plugin file {file!r} not found (looked for {path})",
+            hint=_nearby_files_hint(file, path),
+        )
+    module = _exec_file(path, ref, used_by)
+    fn = _get_callable(module, attr, label=file, ref=ref, used_by=used_by)
+    identity = PluginIdentity(
+        used_by=used_by,
+        ref=ref,
+        kind="file",
+        module=path.stem,
+        qualname=attr,
+        path=str(path),
+        sha256=sha256_file(path),
+        signature=_signature_text(fn),
+    )
+    return ResolvedPlugin(fn, identity)
+
+
+# ---------------------------------------------------------------------------------------------
+# importing, with every failure turned into one Issue
+
+
+def _import_module(name: str, ref: str, used_by: str) -> ModuleType:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        # Only the module itself (or a parent package) missing is "not found"; a missing
+        # dependency of an existing plugin is a failure inside the plugin, reported below.
+        if not (exc.name and (name == exc.name or name.startswith(exc.name + "."))):
+            raise _import_failure(exc, name, _package_files(name), ref, used_by) from None
+        raise _error(
+            used_by,
+            ref=ref,
+            message=f"module {name!r} not found",
+            hint="is the package installed in this environment, or its directory on PYTHONPATH?",
+        ) from None
+    except SyntaxError as exc:
+        raise _syntax_error(exc, ref, used_by) from None
+    except Exception as exc:
+        raise _import_failure(exc, name, _package_files(name), ref, used_by) from None
+
+
+def _exec_file(path: Path, ref: str, used_by: str) -> ModuleType:
+    # A synthetic name unique to this file, so two plugin files both called rewards.py (or one
+    # called json.py) never replace each other, or a real module, in sys.modules.
+    name = f"_rollout_plugin_{path.stem}_{sha256_bytes(str(path).encode())[:12]}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None  # a .py path always has a source loader
+    module = importlib.util.module_from_spec(spec)
+    # Registered while it runs, as a normal import would be: dataclasses and pickling look it up.
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        del sys.modules[name]
+        raise _syntax_error(exc, ref, used_by) from None
+    except Exception as exc:
+        del sys.modules[name]
+        raise _import_failure(exc, str(path), lambda f: Path(f) == path, ref, used_by) from None
+    return module
+
+
+def _syntax_error(exc: SyntaxError, ref: str, used_by: str) -> PlanError:
+    where = f"{exc.filename}:{exc.lineno}" if exc.lineno else str(exc.filename)
+    code = f": {exc.text.strip()}" if exc.text and exc.text.strip() else ""
+    return _error(
+        used_by,
+        ref=ref,
+        message=f"syntax error at {where}: {exc.msg}{code}",
+        hint="fix the syntax error and plan again",
+    )
+
+
+def _import_failure(
+    exc: Exception, what: str, owns: Callable[[str], bool], ref: str, used_by: str
+) -> PlanError:
+    """An exception the plugin raised while being imported, located in the plugin's own code."""
+    where = _last_frame(exc.__traceback__, owns)
+    at = f" at {where}" if where else ""
+    rerun = f"python {what}" if what.endswith(".py") else f"python -c 'import {what}'"
+    return _error(
+        used_by,
+        ref=ref,
+        message=f"importing {what} raised {type(exc).__name__}: {exc}{at}",
+        hint=f"run `{rerun}` to see the full traceback",
+    )
+
+
+def _last_frame(tb: TracebackType | None, owns: Callable[[str], bool]) -> str | None:
+    """file:line of the innermost frame in the plugin's own code (not a library it called)."""
+    frames = [frame for frame in traceback.extract_tb(tb) if owns(frame.filename)]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
+
+
+def _package_files(module_name: str) -> Callable[[str], bool]:
+    """Which files belong to the top-level package of ``module_name`` (found without importing)."""
+    try:
+        spec = importlib.util.find_spec(module_name.split(".")[0])
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return lambda filename: False
+    roots = [Path(p) for p in spec.submodule_search_locations or []]
+    origin = Path(spec.origin) if spec.origin else None
+    return lambda filename: (
+        Path(filename) == origin or any(Path(filename).is_relative_to(root) for root in roots)
+    )
+
+
+def _get_callable(
+    module: ModuleType, attr: str, *, label: str, ref: str, used_by: str
+) -> Callable[..., Any]:
+    """Follow ``attr`` ("score" or "Scorer.score") from the module; ``label`` names the module."""
+    obj: Any = module
+    walked: list[str] = []
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            owner = f"{label}:{'.'.join(walked)}" if walked else label
+            choices = _public_callables(obj)
+            listing = f"it defines: {', '.join(choices)}" if choices else "it defines no functions"
+            raise _error(
+                used_by,
+                ref=ref,
+                message=f"{owner} has no attribute {part!r}",
+                hint=_did_you_mean(part, choices) or listing,
+            )
+        obj = getattr(obj, part)
+        walked.append(part)
+    if not callable(obj):
+        raise _error(
+            used_by,
+            ref=ref,
+            message=f"{label}:{attr} is a {type(obj).__name__}, not a function",
+            hint="reference a function: fn(prompts, completions, **kwargs) -> list[float]",
+        )
+    return obj
+
+
+def _public_callables(obj: Any) -> list[str]:
+    # getattr_static: listing must not run lazy module __getattr__ hooks (transformers would
+    # import torch) or property getters.
+    return sorted(
+        name
+        for name in dir(obj)
+        if not name.startswith("_") and callable(inspect.getattr_static(obj, name, None))
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# hints for references that name nothing
+
+
+def _unknown_name_hint(name: str, group: str, builtins: Mapping[str, Callable[..., Any]]) -> str:
+    entry_points = sorted({ep.name for ep in importlib.metadata.entry_points(group=group)})
+    known = f"built-ins: {', '.join(sorted(builtins)) or 'none'}"
+    known += f"; entry points: {', '.join(entry_points) or 'none installed'}"
+    guess = _did_you_mean(name, [*builtins, *entry_points])
+    usage = "or write 'package.module:function' or './file.py:function'"
+    return f"{guess} {known}; {usage}" if guess else f"{known}; {usage}"
+
+
+def _nearby_files_hint(file: str, path: Path) -> str:
+    if not path.parent.is_dir():
+        return (
+            f"the directory {path.parent} does not exist; relative paths start at the config "
+            "file's directory"
+        )
+    candidates = sorted(p.name for p in path.parent.glob("*.py"))
+    guess = difflib.get_close_matches(path.name, candidates, n=1, cutoff=0.6)
+    if guess:
+        written_dir, slash, _ = file.rpartition("/")
+        return f"did you mean {written_dir + slash + guess[0]!r}?"
+    if candidates:
+        return f".py files in {path.parent}: {', '.join(candidates)}"
+    return f"there are no .py files in {path.parent}"
+
+
+def _did_you_mean(word: str, choices: Iterable[str]) -> str | None:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}?" if close else None
+
+
+def _error(used_by: str, *, ref: str, message: str, hint: str) -> PlanError:
+    return PlanError(Issue(used_by, message, value=ref, hint=hint))
+
+
+# ---------------------------------------------------------------------------------------------
+# identity details
+
+
+def installed_version(distribution: str) -> str | None:
+    """The installed version of a distribution, or None when it is not installed."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _distribution_of(module_name: str) -> str | None:
+    """The one installed distribution that provides this top-level package, if exactly one does.
+
+    Several (a namespace package such as ``google``) leave the version ambiguous; the module is
+    then fingerprinted by its file like a module outside any distribution.
+    """
+    owners = set(importlib.metadata.packages_distributions().get(module_name.split(".")[0], []))
+    return owners.pop() if len(owners) == 1 else None
+
+
+def _is_editable(distribution: str) -> bool:
+    """Installed with ``pip install -e`` (PEP 660 records it in direct_url.json)."""
+    try:
+        text = importlib.metadata.distribution(distribution).read_text("direct_url.json")
+        return bool(text and json.loads(text).get("dir_info", {}).get("editable"))
+    except (importlib.metadata.PackageNotFoundError, ValueError, AttributeError):
+        return False
+
+
+def _dist_name(entry_point: importlib.metadata.EntryPoint) -> str | None:
+    return entry_point.dist.name if entry_point.dist else None
+
+
+def _source_file(fn: Callable[..., Any], module: ModuleType) -> str | None:
+    # The function's own file when it is re-exported from elsewhere; the module's otherwise
+    # (callable instances, functools.partial and C functions have no source file of their own).
+    try:
+        found = inspect.getsourcefile(inspect.unwrap(fn))
+    except TypeError:
+        found = None
+    found = found or getattr(module, "__file__", None)
+    return str(Path(found).resolve()) if found else None
+
+
+def _signature_text(fn: Callable[..., Any]) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):  # some C callables carry no signature
+        return "(...)"
+
+
+# ---------------------------------------------------------------------------------------------
+# checking a reward's signature against its options and the data's fields
+
+
+def check_reward_signature(
+    fn: Callable[..., Any], *, options: Mapping[str, Any], fields: set[str], used_by: str
+) -> list[Issue]:
+    """Problems calling ``fn(prompts, completions, **fields, **options)`` would have."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return []  # nothing to check against; a bad call then fails at the first step
+    name = getattr(fn, "__name__", used_by)
+    prefix = used_by.rpartition(".")[0] or used_by
+    parameters = list(signature.parameters.values())
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if not _takes_two_positional(parameters, positional):
+        return [
+            Issue(
+                used_by,
+                f"{name}{signature} cannot be called with two positional arguments",
+                hint="a reward takes (prompts, completions, **kwargs) and returns one float per "
+                "completion",
+            )
+        ]
+    # Parameters after prompts and completions that a keyword (an option or a field) can fill.
+    keywords = {
+        p.name: p
+        for p in parameters
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p not in positional[:2]
+    }
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters)
+    issues = [
+        _unknown_option(name, key, keywords, f"{prefix}.options.{key}")
+        for key in options
+        if key not in keywords and not takes_any
+    ]
+    for parameter in keywords.values():
+        required = parameter.default is inspect.Parameter.empty
+        if required and parameter.name not in options and parameter.name not in fields:
+            issues.append(_unsatisfied(name, parameter.name, fields, prefix, used_by))
+    return issues
+
+
+def _takes_two_positional(
+    parameters: list[inspect.Parameter], positional: list[inspect.Parameter]
+) -> bool:
+    """prompts and completions fit, and no other parameter must be given positionally."""
+    if len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in parameters):
+        return False
+    return not any(p.kind is p.POSITIONAL_ONLY and p.default is p.empty for p in positional[2:])
+
+
+def _unknown_option(
+    name: str, key: str, keywords: Mapping[str, inspect.Parameter], path: str
+) -> Issue:
+    accepted = ", ".join(keywords) or "none"
+    return Issue(
+        path,
+        f"{name}() has no parameter {key!r}",
+        hint=_did_you_mean(key, keywords) or f"the parameters it accepts: {accepted}",
+    )
+
+
+def _unsatisfied(name: str, parameter: str, fields: set[str], prefix: str, used_by: str) -> Issue:
+    present = ", ".join(sorted(fields)) or "none"
+    return Issue(
+        used_by,
+        f"{name}() requires {parameter!r}, which is neither an option nor a field of the data",
+        hint=f"set {prefix}.options.{parameter}, or use data with a {parameter!r} field "
+        f"(the data has: {present})",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# freshness: has what a plan resolved changed since? (never imports the plugin)
+
+
+def plugin_changes(
+    identity: PluginIdentity, *, version_of: VersionLookup = installed_version
+) -> list[Issue]:
+    """What changed since planning: the distribution's version, or the source file's bytes."""
+    changes = []
+    if identity.distribution:
+        now = version_of(identity.distribution)
+        if now is None:
+            changes.append(
+                f"{identity.distribution} is no longer installed (was {identity.version})"
+            )
+        elif now != identity.version:
+            changes.append(f"{identity.distribution} {identity.version} → {now}")
+    if identity.sha256 and identity.path:
+        changes.extend(_file_changes(Path(identity.path), identity.sha256))
+    return [Issue(identity.used_by, change) for change in changes]
+
+
+def _file_changes(path: Path, planned: str) -> list[str]:
+    if not path.is_file():
+        return [f"file {path} no longer exists"]
+    now = sha256_file(path)
+    if now == planned:
+        return []
+    return [f"{path} changed since planning (sha256 {short_hash(planned)} → {short_hash(now)})"]
+
+
+def short_hash(digest: str) -> str:
+    return digest[:8] + "…"

@@ -1,0 +1,72 @@
+"""Small synthetic datasets for examples and tests, generated deterministically from a seed.
+
+The committed files under examples/data/ are this module's output; a test regenerates them and
+checks they match, so they never drift from the code. Regenerate with
+``python -m rollout.testing.datasets examples/data``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+Record = dict[str, object]
+
+
+def _operands(count: int, seed: int, low: int = 1, high: int = 99) -> list[tuple[int, int]]:
+    rng = random.Random(seed)
+    return [(rng.randint(low, high), rng.randint(low, high)) for _ in range(count)]
+
+
+def _question(a: int, b: int) -> str:
+    return f"What is {a} + {b}? Answer with just the number."
+
+
+def addition(count: int, *, seed: int) -> list[Record]:
+    """Integer addition questions with numeric answers (for GRPO/PPO with numeric_match)."""
+    return [{"prompt": _question(a, b), "answer": str(a + b)} for a, b in _operands(count, seed)]
+
+
+def preference_pairs(count: int, *, seed: int) -> list[Record]:
+    """Addition questions with the right answer preferred over a near miss (DPO/IPO/RM)."""
+    rng = random.Random(seed)
+    records = []
+    for a, b in _operands(count, seed):
+        wrong = a + b + rng.choice([-10, -2, -1, 1, 2, 10])
+        records.append({"prompt": _question(a, b), "chosen": str(a + b), "rejected": str(wrong)})
+    return records
+
+
+def demonstrations(count: int, *, seed: int) -> list[Record]:
+    """Addition questions with worked answers (SFT)."""
+    return [
+        {"prompt": _question(a, b), "completion": f"{a} + {b} = {a + b}. The answer is {a + b}."}
+        for a, b in _operands(count, seed)
+    ]
+
+
+def example_files() -> Iterator[tuple[str, list[Record]]]:
+    """Every committed example data file, by name. Train and eval use different seeds."""
+    yield "arith-train.jsonl", addition(1000, seed=1)
+    yield "arith-eval.jsonl", addition(200, seed=2)
+    yield "prefs-train.jsonl", preference_pairs(256, seed=3)
+    yield "prefs-eval.jsonl", preference_pairs(64, seed=4)
+    yield "sft-train.jsonl", demonstrations(256, seed=5)
+    yield "sft-eval.jsonl", demonstrations(64, seed=6)
+
+
+def to_jsonl(records: list[Record]) -> str:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+
+
+def write_example_files(directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, records in example_files():
+        (directory / name).write_text(to_jsonl(records), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    write_example_files(Path(sys.argv[1] if len(sys.argv) > 1 else "examples/data"))

@@ -1,0 +1,78 @@
+"""The hardware probe: its parsers on sample output, and the probe on this machine."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from rollout.plan import hardware
+from rollout.plan.definition import GpuFacts
+
+MIB = 1 << 20
+
+
+def test_parse_nvidia_smi():
+    text = "0, NVIDIA H100 80GB HBM3, 81559\n1, NVIDIA H100 80GB HBM3, 81559\n\n"
+    assert hardware.parse_nvidia_smi(text) == [
+        GpuFacts(index=0, name="NVIDIA H100 80GB HBM3", memory_bytes=81559 * MIB),
+        GpuFacts(index=1, name="NVIDIA H100 80GB HBM3", memory_bytes=81559 * MIB),
+    ]
+    assert hardware.parse_nvidia_smi("") == []
+
+
+@pytest.mark.parametrize("text", ["0, NVIDIA A100, [N/A]", "No devices were found", "0, 40960"])
+def test_parse_nvidia_smi_rejects_other_output(text):
+    with pytest.raises(ValueError):
+        hardware.parse_nvidia_smi(text)
+
+
+def test_parse_meminfo():
+    text = "MemTotal:       16318504 kB\nMemFree:         1000000 kB\nMemAvailable:   12000000 kB\n"
+    assert hardware.parse_meminfo(text) == (16318504 * 1024, 12000000 * 1024)
+    # Kernels before 3.14 have no MemAvailable.
+    old_kernel = "MemTotal: 2048 kB\nMemFree: 1024 kB\n"
+    assert hardware.parse_meminfo(old_kernel) == (2048 * 1024, 1024 * 1024)
+
+
+def test_probe_this_machine():
+    facts = hardware.probe_hardware()
+    assert facts.cpu_count >= 1
+    assert 0 < facts.memory_available_bytes <= facts.memory_bytes
+    assert facts.platform
+
+
+def test_gpus_from_nvidia_smi(monkeypatch):
+    calls = []
+
+    def run(command, **kwargs):
+        calls.append((command, kwargs["timeout"]))
+        return subprocess.CompletedProcess(command, 0, stdout="3, Tesla T4, 15360\n")
+
+    monkeypatch.setattr(hardware.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(hardware.subprocess, "run", run)
+    gpus = hardware.probe_hardware().gpus
+    assert gpus == [GpuFacts(index=3, name="Tesla T4", memory_bytes=15360 * MIB)]
+    assert calls == [(["/usr/bin/nvidia-smi", *hardware.NVIDIA_SMI_QUERY], 10)]
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        subprocess.TimeoutExpired("nvidia-smi", 10),
+        subprocess.CalledProcessError(9, "nvidia-smi"),
+        PermissionError("denied"),
+    ],
+)
+def test_any_nvidia_smi_failure_means_no_gpus(monkeypatch, failure):
+    def run(command, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(hardware.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(hardware.subprocess, "run", run)
+    assert hardware.probe_hardware().gpus == []
+
+
+def test_no_nvidia_smi_means_no_gpus(monkeypatch):
+    monkeypatch.setattr(hardware.shutil, "which", lambda name: None)
+    assert hardware.probe_hardware().gpus == []

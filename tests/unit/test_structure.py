@@ -1,0 +1,101 @@
+"""Structure is checked too: import directions, every module imports, validate stays torch-free."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import pkgutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import rollout
+from tests.conftest import EXAMPLES, REPO
+
+PACKAGE = REPO / "rollout"
+
+# Which rollout sub-packages each package may import (DESIGN.md, "Import direction").
+ALLOWED = {
+    "config": {"config", "errors"},
+    "schema": {"config", "errors", "schema"},
+    "plan": {"config", "plugins", "errors", "plan", "testing", "harness", "__init__"},
+    "plugins": {"plugins", "errors", "plan", "__init__"},
+    "storage": {"storage", "config", "errors"},
+    "executor": {"executor", "plan", "storage", "config", "errors"},
+    "algorithms": {"algorithms"},
+    "cli": {"cli", "config", "plan", "executor", "storage", "schema", "errors", "__init__"},
+}
+FORBIDDEN_THIRD_PARTY = {
+    "config": {"torch", "transformers", "typer", "rich"},
+    "plan": {"torch", "transformers", "gguf", "vllm"},
+    "schema": {"torch", "transformers"},
+}
+
+
+def _imports(path):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+
+
+def _modules(package):
+    return sorted((PACKAGE / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_import_direction(package):
+    wrong = []
+    for path in _modules(package):
+        for name in _imports(path):
+            parts = name.split(".")
+            if parts[0] == "rollout":
+                target = parts[1] if len(parts) > 1 else "__init__"
+                if target not in ALLOWED[package]:
+                    wrong.append(f"{path.relative_to(REPO)} imports {name}")
+            elif parts[0] in FORBIDDEN_THIRD_PARTY.get(package, ()):
+                wrong.append(f"{path.relative_to(REPO)} imports {name}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_algorithms_engines_harness_never_see_config_objects():
+    for package in ("algorithms", "engines", "harness"):
+        for path in _modules(package):
+            assert not any(n.startswith("rollout.config") for n in _imports(path)), path
+
+
+def test_every_module_imports():
+    for info in pkgutil.walk_packages(rollout.__path__, "rollout."):
+        importlib.import_module(info.name)
+
+
+def test_validate_and_plan_never_import_torch(tmp_path):
+    """In a fresh interpreter: validate every example, plan the tiny ones, torch stays out."""
+    script = textwrap.dedent(f"""
+        import json, sys
+        from pathlib import Path
+        from rollout import load_config, plan
+        examples = sorted(Path({str(EXAMPLES)!r}).rglob("*.toml"))
+        for path in examples:
+            load_config(path)
+        planned = []
+        for path in examples:
+            if path.stem.endswith("-tiny"):
+                plan(path, overrides=["run.output_dir={tmp_path}"])
+                planned.append(path.name)
+        print(json.dumps({{"torch": "torch" in sys.modules, "planned": planned,
+                          "validated": len(examples)}}))
+    """)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["validated"] >= 5
+    assert len(report["planned"]) >= 4
+    assert report["torch"] is False
