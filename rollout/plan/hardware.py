@@ -20,8 +20,15 @@ _MIB = 1 << 20
 _KIB = 1 << 10
 
 
+CGROUP_MEMORY_MAX = "/sys/fs/cgroup/memory.max"
+
+
 def probe_hardware() -> HardwareFacts:
     total, available = _memory()
+    limit = _cgroup_limit(CGROUP_MEMORY_MAX)
+    if limit is not None and limit < total:
+        # In a container the kernel reports the host's RAM, but the OOM killer enforces this.
+        total, available = limit, min(available, limit)
     return HardwareFacts(
         platform=platform.platform(terse=True),
         cpu_count=_cpu_count(),
@@ -59,6 +66,20 @@ def parse_meminfo(text: str) -> tuple[int, int]:
         if fields:
             values[name] = int(fields[0]) * _KIB
     return values["MemTotal"], values.get("MemAvailable", values["MemFree"])
+
+
+def parse_cgroup_limit(text: str) -> int | None:
+    """A cgroup v2 memory.max value: bytes, or None for "max" (no limit)."""
+    value = text.strip()
+    return None if value in ("", "max") else int(value)
+
+
+def _cgroup_limit(path: str) -> int | None:
+    try:
+        with open(path) as handle:
+            return parse_cgroup_limit(handle.read())
+    except (OSError, ValueError):
+        return None
 
 
 def _cpu_count() -> int:

@@ -76,3 +76,21 @@ def test_any_nvidia_smi_failure_means_no_gpus(monkeypatch, failure):
 def test_no_nvidia_smi_means_no_gpus(monkeypatch):
     monkeypatch.setattr(hardware.shutil, "which", lambda name: None)
     assert hardware.probe_hardware().gpus == []
+
+
+def test_cgroup_limit_parsing():
+    from rollout.plan.hardware import parse_cgroup_limit
+
+    assert parse_cgroup_limit("max\n") is None
+    assert parse_cgroup_limit("2147483648\n") == 2 * 1024**3
+
+
+def test_a_container_limit_caps_memory(tmp_path, monkeypatch):
+    from rollout.plan import hardware
+
+    limit = tmp_path / "memory.max"
+    limit.write_text("1073741824\n")
+    monkeypatch.setattr(hardware, "CGROUP_MEMORY_MAX", str(limit))
+    facts = hardware.probe_hardware()
+    assert facts.memory_bytes == 1024**3
+    assert facts.memory_available_bytes <= 1024**3

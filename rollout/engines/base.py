@@ -1,0 +1,78 @@
+"""The generation Protocol every engine implements (hf, vllm), and the types it speaks.
+
+Batch-first: an engine takes many prompts (as token ids) and returns one result per completion.
+Engines import torch and their backend; they never see config objects: the runtime turns the
+plan's generation settings into SamplingParams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+FinishReason = Literal["stop", "length", "eos"]
+"""stop: a stop string was produced (and cut off); length: max_new_tokens reached; eos: the model
+ended the sequence itself."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    n: int = 1
+    """Completions per prompt; results come grouped: prompt 0's n completions first."""
+    seed: int | None = None
+    """Seed for this call's sampling stream; None draws from the engine's own generator."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    prompt_index: int
+    token_ids: list[int]
+    """Sampled tokens, after any stop-string cut; never includes padding."""
+    logprobs: list[float]
+    """log p(token) under the sampling distribution's model (temperature 1 logits), one per token."""
+    text: str
+    finish_reason: FinishReason
+    policy_version: int = 0
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    seconds: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    """A generation backend. Five methods; everything else is the engine's own business."""
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[Completion]:
+        """Sample ``params.n`` completions for each prompt (token ids, no padding)."""
+        ...
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | None, version: int) -> None:
+        """Take the learner's new weights; later completions carry ``version``.
+
+        ``None`` means the engine shares the learner's module (colocated hf engine): the weights
+        are already in place, only the version moves and any derived cache is dropped.
+        """
+        ...
+
+    @property
+    def policy_version(self) -> int: ...
+
+    @property
+    def stats(self) -> EngineStats: ...
+
+    def close(self) -> None: ...
