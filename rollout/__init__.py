@@ -6,6 +6,7 @@ Library use mirrors the CLI:
     config = load_config("run.toml")            # validate: schema + cross-field rules
     the_plan = plan("run.toml")                 # resolve plugins, model, data, hardware
     the_plan = Plan.from_file("plan.lock")      # read and verify a frozen plan
+    record = run("plan.lock")                   # execute it; blocks; returns the run's record
 
 Every user mistake raises RolloutError (a ConfigError, PlanError or LockfileError) whose
 ``.issues`` carry dotted paths, values and hints.
@@ -13,6 +14,8 @@ Every user mistake raises RolloutError (a ConfigError, PlanError or LockfileErro
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollout.config import RunConfig, load_config
@@ -41,6 +44,17 @@ def plan(config: str | Any, **kwargs: Any) -> Plan:
     return build_plan(config, **kwargs)
 
 
+def run(plan: str | Any) -> Any:
+    """Execute a plan (a plan.lock path or a Plan); block until it ends; return its RunRecord."""
+    from rollout.executor.launch import run_plan
+
+    if not isinstance(plan, str | os.PathLike):
+        path = Path(plan.derived.run_dir) / "plan.lock"
+        plan.write(str(path))
+        plan = path
+    return run_plan(plan)
+
+
 def __getattr__(name: str) -> Any:
     if name == "Plan":  # lazy: importing rollout stays cheap for `rollout validate`
         from rollout.plan import Plan
@@ -60,4 +74,5 @@ __all__ = [
     "__version__",
     "load_config",
     "plan",
+    "run",
 ]

@@ -36,10 +36,13 @@ class SamplingParams:
 class Completion:
     prompt_index: int
     token_ids: list[int]
-    """Sampled tokens, after any stop-string cut; never includes padding."""
+    """Sampled tokens; the eos token is included when finish_reason is "eos"; tokens of a stop
+    string are removed; never padding."""
     logprobs: list[float]
-    """log p(token) under the sampling distribution's model (temperature 1 logits), one per token."""
+    """float32 log_softmax(logits / T)[token] for each token, before top-k/top-p truncation
+    (T = 1 when greedy). The learner recomputes exactly this, so the two must agree."""
     text: str
+    """Decoded without special tokens, cut before the first stop string."""
     finish_reason: FinishReason
     policy_version: int = 0
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 from urllib.parse import urlsplit
 
 from rollout.config.data import DataSource
@@ -52,7 +52,7 @@ def inspect_data(
         )
     data_format = _data_format(source, location, split)
     checker = _Checker(location, key, required, paired)
-    scan = _scan_jsonl if data_format == "jsonl" else _scan_parquet
+    scan = scan_jsonl if data_format == "jsonl" else scan_parquet
     try:
         num_records = scan(location, source.limit, checker)
     except (OSError, ValueError) as exc:  # unreadable, or not Parquet at all (ArrowInvalid)
@@ -105,7 +105,17 @@ def _data_format(source: DataSource, location: str, split: str) -> Literal["json
     )
 
 
-def _scan_jsonl(location: str, limit: int | None, checker: _Checker) -> int:
+class RecordSink(Protocol):
+    """What the scanners feed: the planner's checker, or the runtime's record collector."""
+
+    def use_columns(self, columns: list[str]) -> list[str]: ...
+
+    def record(self, where: str, record: dict[str, Any]) -> None: ...
+
+    def problem(self, message: str, hint: str | None = None) -> None: ...
+
+
+def scan_jsonl(location: str, limit: int | None, checker: RecordSink) -> int:
     """Check every non-blank line up to `limit`; return how many there were."""
     number = 0
     with open_binary(location) as handle:
@@ -138,7 +148,7 @@ def _scan_jsonl(location: str, limit: int | None, checker: _Checker) -> int:
     return number
 
 
-def _scan_parquet(location: str, limit: int | None, checker: _Checker) -> int:
+def scan_parquet(location: str, limit: int | None, checker: RecordSink) -> int:
     """Check the needed columns of the first `limit` rows; return how many rows that is."""
     import pyarrow.parquet as pq  # only Parquet data pays for pyarrow
 

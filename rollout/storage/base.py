@@ -7,12 +7,16 @@ a bound parameter. Records are plain frozen dataclasses so readers need no ORM.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 RunStatus = Literal["planned", "running", "stopped", "failed", "finished"]
 RUN_STATUSES: tuple[RunStatus, ...] = ("planned", "running", "stopped", "failed", "finished")
+FINAL_STATUSES: tuple[RunStatus, ...] = ("stopped", "failed", "finished")
 LogLevel = Literal["debug", "info", "warning", "error"]
+LOG_LEVELS: tuple[LogLevel, ...] = ("debug", "info", "warning", "error")
+"""Least to most severe: filtering on a level keeps that level and the ones after it."""
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,8 @@ class RunRecord:
     error: str | None
     """The first failure's message and traceback, when status is 'failed'."""
     cancel_requested: bool
+    last_step: int | None = None
+    """The highest step any metric of this run was written for; None before the first."""
 
 
 @dataclass(frozen=True)
@@ -59,24 +65,49 @@ class CheckpointRecord:
     time: float
 
 
+LogRow = tuple[str, float, LogLevel, int, str, str]
+"""A log line to add: (run_id, time, level, rank, role, message); the store assigns its id."""
+
+
 class RunStore(Protocol):
+    """One store object per process and thread: backends hold one connection, not a pool."""
+
     # --- runs
     def create_run(
         self, run_id: str, *, name: str, plan_sha256: str, plan_path: str, run_dir: str
-    ) -> RunRecord: ...
-    def set_status(self, run_id: str, status: RunStatus, *, error: str | None = None) -> None: ...
-    def request_cancel(self, run_id: str) -> None: ...
+    ) -> RunRecord:
+        """A new run in status 'planned'. An existing run_id is a RolloutError."""
+
+    def set_status(self, run_id: str, status: RunStatus, *, error: str | None = None) -> None:
+        """Entering 'running' (from another status) stamps started_at and clears ended_at, error
+        and cancel_requested: a resumed run starts afresh. Entering a final status from a
+        non-final one stamps ended_at. KeyError if the run does not exist."""
+
+    def request_cancel(self, run_id: str) -> None:
+        """Set cancel_requested; the executor stops the run. KeyError if it does not exist."""
+
     def get_run(self, run_id: str) -> RunRecord | None: ...
-    def list_runs(self, *, status: RunStatus | None = None, limit: int = 50) -> list[RunRecord]: ...
+    def list_runs(self, *, status: RunStatus | None = None, limit: int = 50) -> list[RunRecord]:
+        """Newest first (by created_at)."""
 
     # --- rows written during a run (batched by the background writer)
-    def add_metrics(self, rows: Iterable[MetricRecord]) -> None: ...
-    def add_logs(self, rows: Iterable[tuple[str, float, LogLevel, int, str, str]]) -> None: ...
-    def add_checkpoint(self, record: CheckpointRecord) -> None: ...
+    def transaction(self) -> AbstractContextManager[None]:
+        """Group writes into one transaction (the writer's flush); nested calls join it."""
+
+    def add_metrics(self, rows: Iterable[MetricRecord]) -> None:
+        """A NaN value is kept (read back as NaN). Also updates the run's last_step."""
+
+    def add_logs(self, rows: Iterable[LogRow]) -> None: ...
+    def add_checkpoint(self, record: CheckpointRecord) -> None:
+        """A second checkpoint at the same step of a run replaces the first."""
 
     # --- reads
-    def metrics(self, run_id: str, names: Sequence[str] | None = None) -> list[MetricRecord]: ...
-    def latest_metrics(self, run_id: str) -> Mapping[str, MetricRecord]: ...
+    def metrics(self, run_id: str, names: Sequence[str] | None = None) -> list[MetricRecord]:
+        """Ordered by name, then step: each metric's series in step order."""
+
+    def latest_metrics(self, run_id: str) -> Mapping[str, MetricRecord]:
+        """Each metric's row at its highest step."""
+
     def logs(
         self,
         run_id: str,
@@ -86,6 +117,13 @@ class RunStore(Protocol):
         rank: int | None = None,
         role: str | None = None,
         limit: int = 1000,
-    ) -> list[LogRecord]: ...
-    def checkpoints(self, run_id: str) -> list[CheckpointRecord]: ...
+        newest_first: bool = False,
+    ) -> list[LogRecord]:
+        """Lines with id > after_id, by id. `level` keeps that level and above; `role` also
+        matches a colocated process logged as 'actor+learner'. newest_first: the last `limit`
+        lines, newest first (for `tail -n`)."""
+
+    def checkpoints(self, run_id: str) -> list[CheckpointRecord]:
+        """Ordered by step."""
+
     def close(self) -> None: ...

@@ -63,9 +63,10 @@ def test_round_trip_is_exact(workdir):
 
 
 def test_run_accepts_an_untouched_plan_and_refuses_a_tampered_one(workdir):
+    from rollout.executor.preflight import verify_plan
+
     plan_cli("examples/grpo-tiny.toml")
-    verified = runner.invoke(app, ["run", "--plan", "plan.lock"])
-    assert "verified" in verified.output
+    assert verify_plan("plan.lock").config.run.name == "grpo-tiny"
     text = Path("plan.lock").read_text()
     Path("plan.lock").write_text(text.replace('"max_steps": 20', '"max_steps": 21'))
     refused = runner.invoke(app, ["run", "--plan", "plan.lock"])

@@ -1,0 +1,204 @@
+"""`rollout runs`: list, inspect and cancel the runs in a run store."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from datetime import datetime
+from enum import Enum
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from rollout.cli.app import app
+from rollout.cli.options import Format, FormatOption
+from rollout.cli.render import stdout, user_errors
+from rollout.errors import Issue, RolloutError
+from rollout.storage import check_run_id, default_store_location, find_run, open_store
+from rollout.storage.base import RUN_STATUSES, MetricRecord, RunRecord, RunStore
+
+runs = typer.Typer(name="runs", help="List, inspect and cancel runs.", no_args_is_help=True)
+app.add_typer(runs)
+
+StatusChoice = Enum("StatusChoice", {status: status for status in RUN_STATUSES}, type=str)
+
+StoreOption = Annotated[
+    str | None,
+    typer.Option(
+        "--store",
+        metavar="LOCATION",
+        help="Run store, e.g. sqlite:/path/to/rollout.db. Default: $ROLLOUT_STORE, else "
+        "sqlite:runs/rollout.db in the current directory.",
+        show_default=False,
+    ),
+]
+RunIdArgument = Annotated[
+    str, typer.Argument(metavar="RUN_ID", help="A run id, as `rollout runs list` shows it.")
+]
+
+STATUS_STYLES = {
+    "planned": "dim",
+    "running": "cyan",
+    "stopped": "yellow",
+    "failed": "red",
+    "finished": "green",
+}
+
+
+@contextmanager
+def reading(location: str | None) -> Iterator[tuple[RunStore, str]]:
+    """The store at `location` (or the default) and its name; never creates one."""
+    location = location or default_store_location()
+    store = open_store(location, create=False)
+    try:
+        yield store, location
+    finally:
+        store.close()
+
+
+@runs.command("list")
+def list_(
+    status: Annotated[
+        StatusChoice | None, typer.Option("--status", help="Only runs in this status.")
+    ] = None,
+    store: StoreOption = None,
+    fmt: FormatOption = Format.text,
+) -> None:
+    """The runs in the store, newest first."""
+    with user_errors(fmt.value), reading(store) as (the_store, _):
+        records = the_store.list_runs(status=status.value if status else None)
+    if fmt is Format.json:
+        stdout.print_json(json.dumps({"runs": [asdict(record) for record in records]}))
+        return
+    if not records:
+        stdout.print("no runs" + (f" with status {status.value}" if status else ""))
+        return
+    stdout.print(_runs_table(records))
+
+
+def _runs_table(records: list[RunRecord]) -> Table:
+    table = Table(box=None, pad_edge=False, padding=(0, 1, 0, 0))
+    # The id starts with the run's name, so the name needs no column of its own. In a narrow
+    # terminal only the error is shortened (with an ellipsis: `runs show` has the whole of it).
+    id_width = max(len(record.run_id) for record in records)
+    table.add_column("id", no_wrap=True, min_width=id_width)
+    for column, width in (("status", 8), ("started", 11), ("duration", 8), ("last step", 9)):
+        table.add_column(column, no_wrap=True, min_width=width)
+    table.add_column("error", no_wrap=True, overflow="ellipsis")
+    for record in records:
+        table.add_row(
+            escape(record.run_id),
+            _status(record),
+            _when(record.started_at, "%m-%d %H:%M"),
+            _duration(record),
+            "" if record.last_step is None else str(record.last_step),
+            escape(_error_summary(record.error)),
+        )
+    return table
+
+
+@runs.command()
+def show(run_id: RunIdArgument, store: StoreOption = None, fmt: FormatOption = Format.text) -> None:
+    """One run: status, times, paths, error, latest metrics, latest checkpoint."""
+    with user_errors(fmt.value):
+        check_run_id(run_id)
+        with reading(store) as (the_store, location):
+            record = find_run(the_store, run_id, location)
+            metrics = the_store.latest_metrics(run_id)
+            checkpoints = the_store.checkpoints(run_id)
+    latest = checkpoints[-1] if checkpoints else None
+    if fmt is Format.json:
+        report: dict[str, Any] = asdict(record)
+        report["metrics"] = {
+            name: {"step": m.step, "value": m.value} for name, m in metrics.items()
+        }
+        report["checkpoint"] = asdict(latest) if latest else None
+        stdout.print_json(json.dumps(report))
+        return
+    _print_run(record)
+    if metrics:
+        stdout.print(_metrics_table(metrics.values()))
+    if latest:
+        stdout.print(f"[bold]checkpoint[/]  step {latest.step}: {escape(latest.location)}")
+
+
+def _print_run(record: RunRecord) -> None:
+    fields = {
+        "status": _status(record) + (" (cancel requested)" if record.cancel_requested else ""),
+        "created": _when(record.created_at),
+        "started": _when(record.started_at),
+        "ended": _when(record.ended_at),
+        "duration": _duration(record),
+        "last step": "" if record.last_step is None else str(record.last_step),
+        "plan": escape(record.plan_path),
+        "run dir": escape(record.run_dir),
+    }
+    stdout.print(f"[bold]{escape(record.run_id)}[/] ({escape(record.name)})")
+    for label, value in fields.items():
+        stdout.print(f"  {label:<10} {value}")
+    if record.error:
+        stdout.print("[bold red]error[/]")
+        stdout.print(escape(record.error.rstrip()))
+
+
+def _metrics_table(metrics: Iterable[MetricRecord]) -> Table:
+    table = Table(title="latest metrics", title_justify="left", box=None, pad_edge=False)
+    table.add_column("metric", style="bold")
+    table.add_column("step", justify="right")
+    table.add_column("value", justify="right")
+    for metric in metrics:
+        table.add_row(escape(metric.name), str(metric.step), f"{metric.value:.6g}")
+    return table
+
+
+@runs.command()
+def cancel(run_id: RunIdArgument, store: StoreOption = None) -> None:
+    """Ask a running run to stop; it stops at its next step and keeps its checkpoints."""
+    with user_errors():
+        check_run_id(run_id)
+        with reading(store) as (the_store, location):
+            record = find_run(the_store, run_id, location)
+            if record.status != "running":
+                raise RolloutError(
+                    Issue(
+                        "run id",
+                        f"run {run_id!r} is {record.status}, not running: only a running run "
+                        "can be cancelled",
+                    )
+                )
+            the_store.request_cancel(run_id)
+    stdout.print(f"cancel requested: {run_id} will stop at its next step")
+
+
+def _status(record: RunRecord) -> str:
+    return f"[{STATUS_STYLES[record.status]}]{record.status}[/]"
+
+
+def _when(timestamp: float | None, layout: str = "%Y-%m-%d %H:%M:%S") -> str:
+    return "" if timestamp is None else datetime.fromtimestamp(timestamp).strftime(layout)
+
+
+def _duration(record: RunRecord) -> str:
+    if record.started_at is None:
+        return ""
+    end = record.ended_at if record.ended_at is not None else time.time()
+    seconds = max(0, round(end - record.started_at))
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+
+
+def _error_summary(error: str | None, limit: int = 80) -> str:
+    """One line: a traceback's last line (the exception itself), else the message's first."""
+    if not error or not error.strip():
+        return ""
+    lines = error.strip().splitlines()
+    summary = lines[-1] if "Traceback (most recent call last)" in error else lines[0]
+    return summary if len(summary) <= limit else summary[: limit - 3] + "..."

@@ -1,0 +1,115 @@
+"""The actor role: prompts in, a scored rollout batch out (generate, reward, advantage)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rollout.engines.base import Completion, Engine, SamplingParams
+from rollout.harness.reward_runner import RewardRunner
+from rollout.runtime.batch import RolloutBatch
+
+Row = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a dataset row becomes prompt token ids, and which fields rewards see."""
+
+    encode: Callable[[str], list[int]]
+    """Prompt text -> token ids, chat template applied."""
+    prompt_field: str
+    role_fields: Mapping[str, str]
+    """Role name -> record field (e.g. answer -> solution), so rewards can ask for `answer`."""
+
+    def prompt_text(self, row: Row) -> str:
+        return str(row[self.prompt_field])
+
+    def reward_row(self, row: Row) -> dict[str, Any]:
+        fields = dict(row)
+        for role, field in self.role_fields.items():
+            fields.setdefault(role, row.get(field))
+        return fields
+
+
+@dataclass
+class Rollout:
+    batch: RolloutBatch
+    metrics: dict[str, float]
+
+
+class Actor:
+    def __init__(
+        self,
+        engine: Engine,
+        prompt_format: PromptFormat,
+        rewards: RewardRunner,
+        advantage: Callable[[torch.Tensor, int], torch.Tensor],
+        params: SamplingParams,
+    ):
+        self.engine = engine
+        self.format = prompt_format
+        self.rewards = rewards
+        self.advantage = advantage
+        self.params = params
+        self._encoded: dict[str, list[int]] = {}
+
+    def rollout(self, rows: Sequence[Row], *, seed: int) -> Rollout:
+        """Sample ``params.n`` completions per row, score them, compute advantages."""
+        prompts = [self.format.prompt_text(row) for row in rows]
+        prompt_ids = [self._encode(text) for text in prompts]
+        params = SamplingParams(**{**self.params.__dict__, "seed": seed})
+        started = time.perf_counter()
+        completions = self.engine.generate(prompt_ids, params)
+        generate_s = time.perf_counter() - started
+
+        group = params.n
+        owners = [c.prompt_index for c in completions]
+        texts = [c.text for c in completions]
+        scores = self.rewards.score(
+            [prompts[i] for i in owners], texts, [self.format.reward_row(rows[i]) for i in owners]
+        )
+        rewards = torch.tensor(scores.total, dtype=torch.float32)
+        batch = RolloutBatch(
+            prompt_ids=[prompt_ids[i] for i in owners],
+            completion_ids=[c.token_ids for c in completions],
+            old_logprobs=[c.logprobs for c in completions],
+            rewards=rewards,
+            advantages=self.advantage(rewards, group).float(),
+            group_size=group,
+            policy_version=self.engine.policy_version,
+            texts=texts,
+        )
+        metrics = _rollout_metrics(completions, rewards, scores.per_function, generate_s)
+        return Rollout(batch=batch, metrics=metrics)
+
+    def _encode(self, text: str) -> list[int]:
+        if text not in self._encoded:
+            self._encoded[text] = self.format.encode(text)
+        return self._encoded[text]
+
+
+def _rollout_metrics(
+    completions: list[Completion],
+    rewards: torch.Tensor,
+    per_function: Mapping[str, Sequence[float]],
+    generate_s: float,
+) -> dict[str, float]:
+    tokens = sum(len(c.token_ids) for c in completions)
+    finish = Counter(c.finish_reason for c in completions)
+    metrics = {
+        "reward/mean": rewards.mean().item(),
+        "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+        "completion/tokens_mean": tokens / max(1, len(completions)),
+        "completion/stopped_fraction": (finish["eos"] + finish["stop"]) / max(1, len(completions)),
+        "perf/generate_s": generate_s,
+        "perf/generated_tokens": float(tokens),
+    }
+    for name, values in per_function.items():
+        metrics[f"reward/{name}"] = sum(values) / max(1, len(values))
+    return metrics

@@ -1,0 +1,96 @@
+"""The rollout batch: what the actor hands the learner, typed, with the policy version that made it.
+
+Sequences are kept ragged (lists of token ids) until the learner pads one micro batch at a time,
+so a batch is cheap to build, slice and (later) send between processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    """B completions; completions of one prompt are contiguous (groups of ``group_size``)."""
+
+    prompt_ids: list[list[int]]
+    """[B][prompt_len_i]: each completion's prompt (repeated across its group)."""
+    completion_ids: list[list[int]]
+    """[B][completion_len_i]: sampled tokens, EOS included when the model stopped."""
+    old_logprobs: list[list[float]]
+    """[B][completion_len_i]: log-probs the sampling policy gave each sampled token."""
+    rewards: torch.Tensor
+    """[B] float32: weighted sum of the reward functions."""
+    advantages: torch.Tensor
+    """[B] float32: one advantage per completion, broadcast over its tokens."""
+    group_size: int
+    policy_version: int
+    texts: list[str] = field(default_factory=list)
+    """[B]: decoded completions (for logs and rewards; the learner trains on the ids)."""
+
+    def __len__(self) -> int:
+        return len(self.completion_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(c) for c in self.completion_ids)
+
+    def select(self, indices: list[int]) -> RolloutBatch:
+        """The sub-batch at ``indices`` (for minibatches and micro batches)."""
+        return RolloutBatch(
+            prompt_ids=[self.prompt_ids[i] for i in indices],
+            completion_ids=[self.completion_ids[i] for i in indices],
+            old_logprobs=[self.old_logprobs[i] for i in indices],
+            rewards=self.rewards[indices],
+            advantages=self.advantages[indices],
+            group_size=self.group_size,
+            policy_version=self.policy_version,
+            texts=[self.texts[i] for i in indices] if self.texts else [],
+        )
+
+
+@dataclass
+class PaddedBatch:
+    """A micro batch ready for one forward pass: prompt + completion, right-padded.
+
+    Position t of ``targets``/``completion_mask``/``old_logprobs`` is the token at t + 1 of
+    ``input_ids``: logits at t predict it. Shapes: input_ids and attention_mask [B, L];
+    targets, completion_mask and old_logprobs [B, L - 1].
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    targets: torch.Tensor
+    completion_mask: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+
+
+def pad_for_learner(batch: RolloutBatch, pad_id: int, device: torch.device | str) -> PaddedBatch:
+    rows = [p + c for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True)]
+    length = max(len(r) for r in rows)
+    size = len(rows)
+    input_ids = torch.full((size, length), pad_id, dtype=torch.long)
+    attention = torch.zeros((size, length), dtype=torch.long)
+    completion = torch.zeros((size, length - 1), dtype=torch.bool)
+    old = torch.zeros((size, length - 1), dtype=torch.float32)
+    for i, (prompt, tokens, logprobs) in enumerate(
+        zip(batch.prompt_ids, batch.completion_ids, batch.old_logprobs, strict=True)
+    ):
+        n_prompt, n_completion = len(prompt), len(tokens)
+        input_ids[i, : n_prompt + n_completion] = torch.tensor(prompt + tokens)
+        attention[i, : n_prompt + n_completion] = 1
+        # The first completion token is predicted at the last prompt position.
+        span = slice(n_prompt - 1, n_prompt - 1 + n_completion)
+        completion[i, span] = True
+        old[i, span] = torch.tensor(logprobs, dtype=torch.float32)
+    return PaddedBatch(
+        input_ids=input_ids.to(device),
+        attention_mask=attention.to(device),
+        targets=input_ids[:, 1:].to(device),
+        completion_mask=completion.to(device),
+        old_logprobs=old.to(device),
+        advantages=batch.advantages.to(device),
+    )

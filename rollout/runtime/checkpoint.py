@@ -1,0 +1,343 @@
+"""Checkpoints: one directory per step, published atomically, holding no pickle.
+
+    <root>/step-000010/
+        model/                  save_pretrained output: config, safetensors weights, tokenizer
+        optimizer.safetensors   the optimizer's tensors, keyed state.{param_index}.{name}
+        optimizer.json          the rest of its state_dict (param_groups, python-number state)
+        scheduler.json          the lr scheduler's state_dict (plain data)
+        rng.safetensors         torch CPU and CUDA generator states, numpy's MT19937 key
+        rng.json                the rest of numpy's state, python `random`'s state
+        trainer.json            format version, step, and the trainer's own JSON-able state
+        COMPLETE                written last: a directory without it is not a checkpoint
+
+A save writes everything into `<root>/.step-000010.tmp-<random>`, fsyncs it, writes COMPLETE,
+renames the directory to `step-000010` and fsyncs `<root>`. A crash at any point leaves either the
+finished checkpoint or a temp directory, which readers ignore and the next save deletes.
+
+Only tensors go to safetensors and everything else to JSON, so reading a checkpoint never unpickles
+anything. One process (rank 0) writes to a root at a time. The RNG states are that process's own.
+
+Every operation on directories (listing, staging, publishing, deleting) lives in the section at the
+end, so that moving checkpoints to fsspec artifact stores changes one place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+FORMAT_VERSION = 1
+COMPLETE = "COMPLETE"
+
+_STEP_DIR = re.compile(r"step-(\d+)")
+_TEMP_DIR = re.compile(r"\.step-\d+\.tmp-.+")
+# Tags that let JSON carry what it has no type for: a tensor stored in the .safetensors file
+# beside it, and a tuple (AdamW's betas) that must come back as a tuple.
+_TENSOR = "__tensor__"
+_TUPLE = "__tuple__"
+
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    *,
+    model: Any,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    trainer_state: dict[str, Any],
+    keep_last: int,
+) -> Path:
+    """Save a complete checkpoint of `step` under `root`, then keep only the `keep_last` newest.
+
+    `model` is a transformers PreTrainedModel and `tokenizer` its tokenizer. The optimizer and
+    scheduler may be None (checkpoint.save_optimizer = false). Saving a step that already exists
+    replaces it.
+    """
+    if step < 0 or keep_last < 1:
+        raise ValueError(
+            f"need step >= 0 and keep_last >= 1, got step={step} keep_last={keep_last}"
+        )
+    # Serialize first: a trainer state that is not JSON fails before anything is written.
+    trainer_json = _dumps(
+        {"format_version": FORMAT_VERSION, "step": step, "trainer_state": trainer_state}
+    )
+    root = Path(root)
+    final = root / f"step-{step:06d}"
+    staging = _stage(root, final.name)
+    model.save_pretrained(staging / "model")
+    tokenizer.save_pretrained(staging / "model")
+    if optimizer is not None:
+        _save_optimizer(staging, optimizer)
+    if scheduler is not None:
+        _write_json(staging / "scheduler.json", scheduler.state_dict())
+    _save_rng(staging)
+    (staging / "trainer.json").write_text(trainer_json, encoding="utf-8")
+    _publish(staging, final)
+    prune(root, keep_last)
+    return final
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step under `root`, or None if there is none."""
+    complete = _complete_checkpoints(Path(root))
+    return complete[-1] if complete else None
+
+
+def load_checkpoint(
+    path: str | Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+) -> dict[str, Any]:
+    """Restore weights (in place, strictly), optimizer, scheduler and RNG states from a checkpoint;
+    return the trainer state it was saved with. Pass None for an optimizer or scheduler that
+    should keep its fresh state."""
+    path = Path(path)
+    if not (path / COMPLETE).is_file():
+        raise ValueError(f"{path} is not a complete checkpoint (it has no {COMPLETE} marker)")
+    trainer = _read_json(path / "trainer.json")
+    if trainer["format_version"] != FORMAT_VERSION:
+        raise ValueError(
+            f"{path} has checkpoint format {trainer['format_version']}; this version of rollout "
+            f"reads format {FORMAT_VERSION}"
+        )
+    _load_weights(model, path / "model")
+    if optimizer is not None:
+        _load_optimizer(path, optimizer)
+    if scheduler is not None:
+        scheduler.load_state_dict(_read_json(_saved(path, "scheduler.json")))
+    _load_rng(path)
+    return trainer["trainer_state"]
+
+
+def prune(root: str | Path, keep_last: int) -> None:
+    """Delete every checkpoint under `root` but the `keep_last` newest complete ones."""
+    root = Path(root)
+    keep = set(_complete_checkpoints(root)[-keep_last:])
+    for directory in _step_dirs(root):
+        if directory not in keep:
+            shutil.rmtree(_move_aside(directory))
+
+
+# --- Weights -------------------------------------------------------------------------------------
+
+
+def _load_weights(model: torch.nn.Module, model_dir: Path) -> None:
+    """Copy the saved weights into `model`; every parameter and persistent buffer must be saved.
+
+    save_pretrained stores tied weights (a head sharing the embedding) once, so a key may be
+    missing when another key names the same tensor. Keys are compared as the model names them:
+    architectures that transformers renames on save would be refused here, not loaded wrongly.
+    """
+    saved: dict[str, torch.Tensor] = {}
+    for name in _weight_files(model_dir):
+        saved.update(load_file(model_dir / name))
+    expected = model.state_dict(keep_vars=True)
+    loaded = {id(expected[key]) for key in saved if key in expected}
+    missing = [key for key, tensor in expected.items() if id(tensor) not in loaded]
+    unexpected = sorted(set(saved) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"weights in {model_dir} do not match the model: missing {missing or 'none'}, "
+            f"unexpected {unexpected or 'none'}"
+        )
+    model.load_state_dict(saved, strict=False)  # checked above, tied keys included
+
+
+def _weight_files(model_dir: Path) -> list[str]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():  # sharded: large models
+        return sorted(set(_read_json(index)["weight_map"].values()))
+    return ["model.safetensors"]
+
+
+# --- Optimizer -----------------------------------------------------------------------------------
+
+
+def _save_optimizer(directory: Path, optimizer: torch.optim.Optimizer) -> None:
+    state_dict = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    plain = {
+        # JSON keys are strings; the parameter indices are turned back into ints on load.
+        "state": {
+            str(index): _encode(state, f"state.{index}", tensors)
+            for index, state in state_dict["state"].items()
+        },
+        "param_groups": _encode(state_dict["param_groups"], "param_groups", tensors),
+    }
+    save_file(tensors, directory / "optimizer.safetensors")
+    _write_json(directory / "optimizer.json", plain)
+
+
+def _load_optimizer(directory: Path, optimizer: torch.optim.Optimizer) -> None:
+    plain = _read_json(_saved(directory, "optimizer.json"))
+    tensors = load_file(directory / "optimizer.safetensors")
+    optimizer.load_state_dict(
+        {
+            "state": {int(index): _decode(s, tensors) for index, s in plain["state"].items()},
+            "param_groups": _decode(plain["param_groups"], tensors),
+        }
+    )
+
+
+def _encode(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """`value` as JSON-able data: each tensor moves into `tensors` under its dotted `key`."""
+    if isinstance(value, torch.Tensor):
+        tensors[key] = value.detach().contiguous()
+        return {_TENSOR: key}
+    if isinstance(value, dict):
+        return {name: _encode(item, f"{key}.{name}", tensors) for name, item in value.items()}
+    if isinstance(value, list | tuple):
+        items = [_encode(item, f"{key}.{i}", tensors) for i, item in enumerate(value)]
+        return {_TUPLE: items} if isinstance(value, tuple) else items
+    return value
+
+
+def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, dict):
+        if _TENSOR in value:
+            return tensors[value[_TENSOR]]
+        if _TUPLE in value:
+            return tuple(_decode(item, tensors) for item in value[_TUPLE])
+        return {name: _decode(item, tensors) for name, item in value.items()}
+    if isinstance(value, list):
+        return [_decode(item, tensors) for item in value]
+    return value
+
+
+# --- Random number generators --------------------------------------------------------------------
+
+
+def _save_rng(directory: Path) -> None:
+    tensors = {"torch": torch.get_rng_state()}
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    tensors.update({f"cuda.{device}": state for device, state in enumerate(cuda_states)})
+    numpy_state = np.random.get_state(legacy=False)
+    # safetensors' torch side has no uint32; int64 holds the MT19937 key exactly.
+    tensors["numpy.key"] = torch.from_numpy(numpy_state["state"].pop("key").astype(np.int64))
+    version, internal, gauss_next = random.getstate()
+    save_file(tensors, directory / "rng.safetensors")
+    _write_json(
+        directory / "rng.json",
+        {
+            "cuda_devices": len(cuda_states),
+            "numpy": numpy_state,
+            "python": {"version": version, "state": internal, "gauss_next": gauss_next},
+        },
+    )
+
+
+def _load_rng(directory: Path) -> None:
+    tensors = load_file(directory / "rng.safetensors")
+    plain = _read_json(directory / "rng.json")
+    torch.set_rng_state(tensors["torch"])
+    if torch.cuda.is_available():
+        # Resuming on fewer GPUs than were saved restores the devices that exist.
+        for device in range(min(plain["cuda_devices"], torch.cuda.device_count())):
+            torch.cuda.set_rng_state(tensors[f"cuda.{device}"], device)
+    numpy_state = plain["numpy"]
+    numpy_state["state"]["key"] = tensors["numpy.key"].numpy().astype(np.uint32)
+    np.random.set_state(numpy_state)
+    python = plain["python"]
+    random.setstate((python["version"], tuple(python["state"]), python["gauss_next"]))
+
+
+# --- Files ---------------------------------------------------------------------------------------
+
+
+def _dumps(data: Any) -> str:
+    return json.dumps(data, indent=2)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(_dumps(data), encoding="utf-8")
+
+
+def _read_json(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _saved(directory: Path, name: str) -> Path:
+    """`directory / name`, which a checkpoint saved without optimizer state lacks."""
+    path = directory / name
+    if not path.is_file():
+        raise ValueError(
+            f"{directory} holds no {name} (saved with checkpoint.save_optimizer = false?); "
+            "pass optimizer=None and scheduler=None to resume with fresh ones"
+        )
+    return path
+
+
+# --- Directories ---------------------------------------------------------------------------------
+
+
+def _stage(root: Path, name: str) -> Path:
+    """A fresh temp directory to write checkpoint `name` into, after deleting the leftovers of
+    saves that crashed."""
+    root.mkdir(parents=True, exist_ok=True)
+    for entry in root.iterdir():
+        if _TEMP_DIR.fullmatch(entry.name) and entry.is_dir():
+            shutil.rmtree(entry)
+    return Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+
+
+def _publish(staging: Path, final: Path) -> None:
+    """Make `staging` durable, mark it complete, and rename it to `final` (replacing any)."""
+    for path in sorted(staging.rglob("*"), reverse=True):  # files before their directories
+        _fsync(path)
+    marker = staging / COMPLETE
+    marker.touch()
+    _fsync(marker)
+    _fsync(staging)
+    # A directory cannot be renamed over a non-empty one: move the old one aside first. A crash
+    # between the two renames leaves the step missing, and the previous one as latest.
+    replaced = _move_aside(final) if final.exists() else None
+    os.rename(staging, final)
+    _fsync(final.parent)
+    if replaced is not None:
+        shutil.rmtree(replaced)
+
+
+def _move_aside(directory: Path) -> Path:
+    """Rename `directory` to a temp name, so that it stops counting as a checkpoint at once and is
+    deleted by the next save if deleting it now is interrupted."""
+    aside = directory.with_name(f".{directory.name}.tmp-{secrets.token_hex(4)}")
+    os.rename(directory, aside)
+    return aside
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)  # directories too: that makes renames inside them durable
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """Checkpoint directories under `root`, complete or not, by step."""
+    if not root.is_dir():
+        return []
+    found = [
+        (int(match.group(1)), entry)
+        for entry in root.iterdir()
+        if (match := _STEP_DIR.fullmatch(entry.name)) and entry.is_dir()
+    ]
+    return [entry for _, entry in sorted(found)]
+
+
+def _complete_checkpoints(root: Path) -> list[Path]:
+    return [directory for directory in _step_dirs(root) if (directory / COMPLETE).is_file()]

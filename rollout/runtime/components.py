@@ -1,0 +1,88 @@
+"""Building the pieces a worker needs from its plan: optimizer, schedule, rewards, data."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rollout.harness.reward_runner import RewardFunction, describe
+from rollout.harness.rewards import BUILTIN_REWARDS
+from rollout.plan.definition import Plan
+from rollout.plugins.resolve import resolve_plugin
+from rollout.runtime.data import PromptStream, load_records
+
+if TYPE_CHECKING:
+    from rollout.runtime.worker import WorkerContext
+
+
+def build_optimizer(model: torch.nn.Module, algo: Any) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=algo.lr,
+        betas=tuple(algo.adam_betas),
+        eps=algo.adam_eps,
+        weight_decay=algo.weight_decay,
+    )
+
+
+def lr_factor(step: int, *, warmup: int, total: int, schedule: str) -> float:
+    """Multiplier of the peak lr after ``step`` optimizer steps: linear warmup, then the schedule."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, algo: Any, total_optimizer_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    def factor(step: int) -> float:
+        return lr_factor(
+            step, warmup=algo.warmup_steps, total=total_optimizer_steps, schedule=algo.lr_schedule
+        )
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def build_reward_functions(plan: Plan) -> list[RewardFunction]:
+    """Resolve each reward again inside the worker; the host checked it is the planned one."""
+    functions = []
+    for i, spec in enumerate(plan.config.rewards):
+        resolved = resolve_plugin(
+            spec.fn,
+            base_dir=Path(plan.base_dir),
+            used_by=f"rewards[{i}].fn",
+            builtins=BUILTIN_REWARDS,
+        )
+        name = spec.name or spec.fn.rsplit(":", 1)[-1]
+        functions.append(describe(name, resolved.fn, spec.weight, spec.options, spec.timeout_s))
+    return functions
+
+
+def load_data(ctx: WorkerContext) -> tuple[PromptStream, list[dict[str, Any]]]:
+    """This rank's training stream and its shard of the evaluation set."""
+    plan = ctx.plan
+    facts = {f.split: f for f in plan.data}
+    sources = {"train": plan.config.data.train, "eval": plan.config.data.eval}
+    train = load_records(facts["train"].location, facts["train"].format, sources["train"].limit)
+    stream = PromptStream(
+        train,
+        seed=plan.seeds.data,
+        shuffle=plan.config.data.shuffle,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+    )
+    eval_rows: list[dict[str, Any]] = []
+    if "eval" in facts and sources["eval"] is not None:
+        everything = load_records(
+            facts["eval"].location, facts["eval"].format, sources["eval"].limit
+        )
+        eval_rows = [dict(r) for r in everything[ctx.rank :: ctx.world_size]]
+    return stream, eval_rows

@@ -1,0 +1,163 @@
+"""The learner role: turns a scored rollout batch into optimizer steps.
+
+Minibatches and micro batches follow the plan; gradients of micro batches accumulate so that
+every loss-aggregation mode gives the same gradient as one pass over the whole minibatch; with
+several data-parallel ranks the gradients are averaged before the step.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from rollout.algorithms.losses import grpo_loss, token_logprobs
+from rollout.runtime.batch import PaddedBatch, RolloutBatch, pad_for_learner
+
+
+@dataclass(frozen=True)
+class LearnerKnobs:
+    minibatch_size: int
+    """Completions per optimizer step on this rank."""
+    micro_batch_size: int
+    update_epochs: int
+    clip_ratio_low: float
+    clip_ratio_high: float
+    kl_coef: float
+    kl_estimator: str
+    loss_aggregation: str
+    max_grad_norm: float | None
+    temperature: float
+    max_new_tokens: int
+
+
+class Learner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        knobs: LearnerKnobs,
+        *,
+        pad_token_id: int,
+        device: str,
+        reference: torch.nn.Module | None = None,
+    ):
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.knobs = knobs
+        self.pad_token_id = pad_token_id
+        self.device = device
+        self.reference = reference
+        self.optimizer_steps = 0
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        """Update epochs x minibatches of optimizer steps; returns mean metrics over them."""
+        self.model.train()
+        knobs = self.knobs
+        totals: dict[str, float] = defaultdict(float)
+        steps = 0
+        for _ in range(knobs.update_epochs):
+            for start in range(0, len(batch), knobs.minibatch_size):
+                minibatch = batch.select(list(range(start, start + knobs.minibatch_size)))
+                for name, value in self._optimizer_step(minibatch).items():
+                    totals[name] += value
+                steps += 1
+        return {name: value / steps for name, value in totals.items()}
+
+    def _optimizer_step(self, minibatch: RolloutBatch) -> dict[str, float]:
+        knobs = self.knobs
+        self.optimizer.zero_grad(set_to_none=True)
+        total_tokens = self._token_count(minibatch)
+        metrics: dict[str, float] = defaultdict(float)
+        micro_count = len(minibatch) // knobs.micro_batch_size
+        for start in range(0, len(minibatch), knobs.micro_batch_size):
+            micro = minibatch.select(list(range(start, start + knobs.micro_batch_size)))
+            padded = pad_for_learner(micro, self.pad_token_id, self.device)
+            loss, stats = self._loss(padded, total_tokens, len(minibatch))
+            loss.backward()
+            for name, value in stats.items():
+                metrics[name] += value / micro_count
+        self._average_gradients()
+        metrics["grad_norm"] = self._clip()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer_steps += 1
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        return metrics
+
+    def _loss(
+        self, padded: PaddedBatch, total_tokens: float, minibatch_size: int
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        knobs = self.knobs
+        logits = self.model(
+            input_ids=padded.input_ids, attention_mask=padded.attention_mask
+        ).logits[:, :-1]
+        logprobs = token_logprobs(logits, padded.targets, knobs.temperature)
+        ref_logprobs = None
+        if self.reference is not None and knobs.kl_coef > 0:
+            with torch.no_grad():
+                ref_logits = self.reference(
+                    input_ids=padded.input_ids, attention_mask=padded.attention_mask
+                ).logits[:, :-1]
+                ref_logprobs = token_logprobs(ref_logits, padded.targets, knobs.temperature)
+        mode, scale = _accumulating(knobs.loss_aggregation, len(padded.advantages), minibatch_size)
+        loss, stats = grpo_loss(
+            logprobs,
+            padded.old_logprobs,
+            padded.advantages,
+            padded.completion_mask,
+            ref_logprobs=ref_logprobs,
+            clip_low=knobs.clip_ratio_low,
+            clip_high=knobs.clip_ratio_high,
+            kl_coef=knobs.kl_coef,
+            kl_estimator=knobs.kl_estimator,
+            aggregation=mode,
+            total_tokens=total_tokens,
+            num_sequences=minibatch_size,
+            max_new_tokens=knobs.max_new_tokens,
+        )
+        return loss * scale, stats
+
+    def _token_count(self, minibatch: RolloutBatch) -> float:
+        """Completion tokens the loss is normalized by: this rank's minibatch, or, for
+        batch_token_mean, the minibatch across every data-parallel rank (divided by the ranks,
+        since their gradients are averaged)."""
+        tokens = float(minibatch.num_completion_tokens)
+        if self.knobs.loss_aggregation == "batch_token_mean" and _distributed():
+            count = torch.tensor([tokens], dtype=torch.float64)
+            dist.all_reduce(count)
+            tokens = count.item() / dist.get_world_size()
+        return max(1.0, tokens)
+
+    def _average_gradients(self) -> None:
+        if not _distributed():
+            return
+        world = dist.get_world_size()
+        for param in self.model.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad)
+                param.grad /= world
+
+    def _clip(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        limit = self.knobs.max_grad_norm
+        norm = torch.nn.utils.clip_grad_norm_(params, limit if limit is not None else float("inf"))
+        return float(norm)
+
+
+def _accumulating(mode: str, micro_size: int, minibatch_size: int) -> tuple[str, float]:
+    """The aggregation to run on one micro batch, and its weight, such that the micro batches'
+    gradients sum to the gradient of ``mode`` over the whole minibatch."""
+    if mode == "token_mean":  # a token mean over the minibatch: normalize by its token count
+        return "batch_token_mean", 1.0
+    if mode == "sequence_mean":
+        return mode, micro_size / minibatch_size
+    return mode, 1.0  # batch_token_mean and constant already take whole-batch counts
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

@@ -1,0 +1,138 @@
+"""Entry point of every torchrun worker: read the plan once, take this rank's roles, train.
+
+    python -m torch.distributed.run ... -m rollout.runtime.worker --plan RUN_DIR/plan.lock
+
+The distributed environment is read once, here. A worker never decides the run's status (the
+executor on the host does); on failure it leaves its traceback in RUN_DIR/errors/rank-N.txt and
+in the run store, and exits non-zero. SIGTERM asks it to stop after the current step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from threading import Event
+from typing import TYPE_CHECKING
+
+from rollout.plan.definition import Plan
+
+if TYPE_CHECKING:
+    from rollout.storage.writer import BackgroundWriter
+
+log = logging.getLogger("rollout.worker")
+
+
+@dataclass
+class WorkerContext:
+    """What a worker knows about itself: its plan, its place, and whether it should stop."""
+
+    plan: Plan
+    rank: int
+    local_rank: int
+    world_size: int
+    stop: Event = field(default_factory=Event)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def device(self) -> str:
+        return self.plan.graph.processes[self.rank].device
+
+    @property
+    def roles(self) -> list[str]:
+        return self.plan.graph.processes[self.rank].roles
+
+
+def error_file(run_dir: str | Path, rank: int) -> Path:
+    return Path(run_dir) / "errors" / f"rank-{rank}.txt"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rollout-worker")
+    parser.add_argument("--plan", required=True)
+    args = parser.parse_args(argv)
+
+    plan = Plan.from_file(args.plan, check_fresh=False)  # the host verified it before launch
+    context = WorkerContext(
+        plan=plan,
+        rank=int(os.environ.get("RANK", "0")),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
+    )
+    signal.signal(signal.SIGTERM, lambda *_: context.stop.set())
+    signal.signal(signal.SIGINT, lambda *_: context.stop.set())
+
+    from rollout.storage import open_store
+    from rollout.storage.writer import BackgroundWriter, StoreLogHandler
+
+    writer = BackgroundWriter(lambda: open_store(plan.derived.store))
+    role = "+".join(context.roles)
+    _configure_logging(StoreLogHandler(writer, plan.run_id, context.rank, role), plan)
+    try:
+        _setup_torch(context)
+        from rollout.runtime.trainer import train
+
+        train(context, writer)
+        return 0
+    except BaseException as error:  # the traceback must reach the user, whatever it was
+        text = "".join(traceback.format_exception(error))
+        path = error_file(plan.derived.run_dir, context.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        log.error("rank %d failed: %s", context.rank, text)
+        return 1
+    finally:
+        _close_quietly(writer)
+        _teardown_torch()
+
+
+def _close_quietly(writer: BackgroundWriter) -> None:
+    """Flush what the worker recorded; a store failure must not mask the worker's own outcome."""
+    try:
+        writer.close()
+    except Exception as error:  # the run store is unreachable: say so where the host can see it
+        print(f"rollout worker: could not write to the run store: {error}", file=sys.stderr)
+
+
+def _configure_logging(handler: logging.Handler, plan: Plan) -> None:
+    level = getattr(logging, plan.config.logging.level.upper())
+    handler.setLevel(level)
+    root = logging.getLogger("rollout")
+    root.setLevel(level)
+    root.addHandler(handler)
+    root.propagate = False
+
+
+def _setup_torch(context: WorkerContext) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(context.plan.derived.threads_per_process)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    if context.device.startswith("cuda"):
+        torch.cuda.set_device(context.local_rank)
+    if context.world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=context.plan.graph.backend)
+
+
+def _teardown_torch() -> None:
+    if "torch" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Writing to the run store off the hot path.
+
+The generation and learner loops call `write_metrics`, `write_log` and `write_checkpoint`; those
+only put a row on an in-memory queue and return. A daemon thread owns its own store connection,
+drains the queue, and writes each batch in one transaction, every `flush_interval_s` or every
+`max_batch` rows. The queue is unbounded on purpose: a slow disk costs memory, never a step.
+
+If a write fails, the writer stops writing, keeps the error, and `flush()` and `close()` raise it
+(as `WriterError`) from then on: rows are never lost silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from rollout.storage.base import CheckpointRecord, LogLevel, LogRow, MetricRecord, RunStore
+
+_STOP = object()
+_LIVENESS_CHECK_S = 0.1
+
+
+class WriterError(RuntimeError):
+    """The background writer could not write to the run store; rows after the failure were lost."""
+
+
+@dataclass
+class _Batch:
+    metrics: list[MetricRecord] = field(default_factory=list)
+    logs: list[LogRow] = field(default_factory=list)
+    checkpoints: list[CheckpointRecord] = field(default_factory=list)
+    flushed: list[threading.Event] = field(default_factory=list)
+    stop: bool = False
+
+    def add(self, item: object) -> None:
+        if isinstance(item, MetricRecord):
+            self.metrics.append(item)
+        elif isinstance(item, CheckpointRecord):
+            self.checkpoints.append(item)
+        else:
+            self.logs.append(item)  # a LogRow tuple
+
+    @property
+    def rows(self) -> int:
+        return len(self.metrics) + len(self.logs) + len(self.checkpoints)
+
+    def write(self, store: RunStore) -> None:
+        if not self.rows:
+            return
+        with store.transaction():
+            store.add_metrics(self.metrics)
+            store.add_logs(self.logs)
+            for checkpoint in self.checkpoints:
+                store.add_checkpoint(checkpoint)
+
+
+class BackgroundWriter:
+    """Queue rows for the run store; a daemon thread writes them in batches.
+
+    `open_store` is called inside the thread, because a store connection belongs to the thread
+    that opened it. Use as a context manager, or call `close()`: rows still queued when the
+    process exits without it are lost.
+    """
+
+    def __init__(
+        self,
+        open_store: Callable[[], RunStore],
+        *,
+        flush_interval_s: float = 0.5,
+        max_batch: int = 500,
+    ) -> None:
+        self._open_store = open_store
+        self._flush_interval_s = flush_interval_s
+        self._max_batch = max_batch
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="rollout-store-writer", daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> BackgroundWriter:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    # --- the hot path: enqueue and return
+
+    def write_metrics(self, run_id: str, step: int, values: Mapping[str, float]) -> None:
+        """Values are converted with float() now, in the caller, so a bad value fails here."""
+        now = time.time()
+        for name, value in values.items():
+            self._put(MetricRecord(run_id, step, name, float(value), now))
+
+    def write_log(
+        self,
+        run_id: str,
+        level: LogLevel,
+        rank: int,
+        role: str,
+        message: str,
+        *,
+        time_s: float | None = None,
+    ) -> None:
+        self._put((run_id, time.time() if time_s is None else time_s, level, rank, role, message))
+
+    def write_checkpoint(self, run_id: str, step: int, location: str) -> None:
+        self._put(CheckpointRecord(run_id, step, location, time.time()))
+
+    def _put(self, item: object) -> None:
+        if self._closed:
+            raise RuntimeError("the run store writer is closed")
+        self._queue.put(item)
+
+    # --- waiting for the thread
+
+    def flush(self) -> None:
+        """Block until every row queued before this call is written; raise if writing failed."""
+        self._raise_if_failed()
+        if self._closed:
+            return
+        done = threading.Event()
+        self._queue.put(done)
+        # The thread may die (and stop reading the queue) before it reaches our marker.
+        while not done.wait(_LIVENESS_CHECK_S) and self._thread.is_alive():
+            pass
+        self._raise_if_failed()
+
+    def close(self) -> None:
+        """Write what is queued, stop the thread; raise if writing failed. Safe to call twice."""
+        with self._close_lock:
+            if not self._closed:
+                self._closed = True
+                self._queue.put(_STOP)
+                self._thread.join()
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise WriterError(f"writing to the run store failed: {self._error!r}") from self._error
+
+    # --- the thread
+
+    def _run(self) -> None:
+        batch = _Batch()
+        try:
+            store = self._open_store()
+            try:
+                while not batch.stop:
+                    batch = self._collect()
+                    batch.write(store)
+                    _release(batch)
+            finally:
+                store.close()
+        except BaseException as error:  # kept for flush()/close(), whatever it was
+            self._error = error
+            _release(batch)
+
+    def _collect(self) -> _Batch:
+        """Block for a first item, then gather until the interval ends, the batch is full, or a
+        flush or stop asks for it now."""
+        batch = _Batch()
+        item = self._queue.get()
+        deadline = time.monotonic() + self._flush_interval_s
+        while True:
+            if item is _STOP:
+                batch.stop = True
+                return batch
+            if isinstance(item, threading.Event):
+                batch.flushed.append(item)
+                return batch
+            batch.add(item)
+            if batch.rows >= self._max_batch:
+                return batch
+            try:
+                item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return batch
+
+
+def _release(batch: _Batch) -> None:
+    for event in batch.flushed:
+        event.set()
+
+
+_LEVELS: tuple[tuple[int, LogLevel], ...] = (
+    (logging.ERROR, "error"),
+    (logging.WARNING, "warning"),
+    (logging.INFO, "info"),
+)
+
+
+class StoreLogHandler(logging.Handler):
+    """Send standard `logging` records to the run store through a `BackgroundWriter`.
+
+    CRITICAL is stored as 'error' and anything below INFO as 'debug'. Formatting runs in the
+    caller; the write does not.
+    """
+
+    def __init__(self, writer: BackgroundWriter, run_id: str, rank: int, role: str) -> None:
+        super().__init__()
+        self.writer = writer
+        self.run_id = run_id
+        self.rank = rank
+        self.role = role
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.writer.write_log(
+                self.run_id,
+                store_level(record.levelno),
+                self.rank,
+                self.role,
+                self.format(record),
+                time_s=record.created,
+            )
+        except Exception:
+            self.handleError(record)
+
+
+def store_level(levelno: int) -> LogLevel:
+    """The run store's level for a `logging` level number."""
+    return next((level for threshold, level in _LEVELS if levelno >= threshold), "debug")

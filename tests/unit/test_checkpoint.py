@@ -1,0 +1,283 @@
+"""Checkpoints round-trip weights, optimizer, scheduler and RNG exactly; saves are atomic, pruned,
+loadable by transformers, and free of pickle."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from rollout.runtime import checkpoint
+from rollout.runtime.checkpoint import (
+    COMPLETE,
+    latest_checkpoint,
+    load_checkpoint,
+    prune,
+    save_checkpoint,
+)
+
+VOCAB = 64
+BATCH = torch.tensor([[1, 5, 9, 13, 2], [3, 4, 60, 7, 8]])
+TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
+
+
+def tiny_model(seed: int, *, tied: bool = False) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
+    return LlamaForCausalLM(config)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, VOCAB)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="w1")
+
+
+class Training:
+    """A tiny model with AdamW and a warmup schedule, stepped on a fixed batch."""
+
+    def __init__(self, seed: int, *, tied: bool = False):
+        self.model = tiny_model(seed, tied=tied)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.1)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / 4)
+        )
+
+    def step(self) -> None:
+        self.model(input_ids=BATCH, labels=BATCH).loss.backward()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad()
+
+    def save(self, root: Path, step: int, tokenizer, *, keep_last: int = 3, **state) -> Path:
+        return save_checkpoint(
+            root,
+            step,
+            model=self.model,
+            tokenizer=tokenizer,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            trainer_state={"step": step, **state},
+            keep_last=keep_last,
+        )
+
+    def load(self, path: Path) -> dict:
+        return load_checkpoint(
+            path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
+        )
+
+
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    left, right = a.state_dict(), b.state_dict()
+    assert left.keys() == right.keys()
+    for key in left:
+        assert torch.equal(left[key], right[key]), key
+
+
+def assert_same(a, b, where: str = "") -> None:
+    """Equal values of equal types, down to each tensor's dtype (a tuple is not a list)."""
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b) and a.dtype == b.dtype, where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}.{i}")
+    else:
+        assert a == b, where
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_round_trip_then_one_more_step_matches(tmp_path: Path, tokenizer, tied: bool):
+    original = Training(seed=0, tied=tied)
+    original.step()
+    original.step()
+    path = original.save(tmp_path, 2, tokenizer, cursor={"0": {"epoch": 1, "position": 3}})
+
+    restored = Training(seed=1, tied=tied)  # different weights until loaded
+    state = restored.load(path)
+
+    assert state == {"step": 2, "cursor": {"0": {"epoch": 1, "position": 3}}}
+    assert_same_weights(original.model, restored.model)
+    assert_same(original.optimizer.state_dict(), restored.optimizer.state_dict())
+    assert isinstance(restored.optimizer.state_dict()["state"][0]["step"], torch.Tensor)
+    assert restored.scheduler.get_last_lr() == original.scheduler.get_last_lr()
+    assert restored.scheduler.state_dict() == original.scheduler.state_dict()
+
+    original.step()
+    restored.step()
+    assert_same_weights(original.model, restored.model)
+
+
+def test_nested_and_python_number_optimizer_state_round_trips(tmp_path: Path, tokenizer):
+    # LBFGS keeps python numbers (n_iter, prev_loss) and lists of tensors (old_dirs) in its state.
+    model = tiny_model(0)
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.1, history_size=3, max_iter=4)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = model(input_ids=BATCH, labels=BATCH).loss
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    path = save_checkpoint(
+        tmp_path,
+        1,
+        model=model,
+        tokenizer=tokenizer,
+        optimizer=optimizer,
+        scheduler=None,
+        trainer_state={},
+        keep_last=1,
+    )
+    restored = torch.optim.LBFGS(tiny_model(1).parameters(), lr=0.5)
+    load_checkpoint(path, model=tiny_model(1), optimizer=restored, scheduler=None)
+    assert isinstance(optimizer.state_dict()["state"][0]["n_iter"], int)
+    assert_same(optimizer.state_dict(), restored.state_dict())
+
+
+def test_rng_states_are_restored(tmp_path: Path, tokenizer):
+    training = Training(seed=0)
+    path = training.save(tmp_path, 1, tokenizer)
+    expected = (torch.rand(4), np.random.rand(4), random.random())
+    torch.manual_seed(123)
+    np.random.seed(123)
+    random.seed(123)
+
+    training.load(path)
+
+    got = (torch.rand(4), np.random.rand(4), random.random())
+    assert torch.equal(got[0], expected[0])
+    assert np.array_equal(got[1], expected[1])
+    assert got[2] == expected[2]
+
+
+def test_saved_model_loads_with_from_pretrained(tmp_path: Path, tokenizer):
+    training = Training(seed=0, tied=True)
+    training.step()
+    path = training.save(tmp_path, 1, tokenizer)
+    loaded = LlamaForCausalLM.from_pretrained(path / "model")
+    assert_same_weights(training.model, loaded)
+    assert PreTrainedTokenizerFast.from_pretrained(path / "model")("w3 w4").input_ids == [3, 4]
+
+
+def test_no_file_in_a_checkpoint_is_a_pickle(tmp_path: Path, tokenizer):
+    path = Training(seed=0).save(tmp_path, 1, tokenizer)
+    files = [file for file in path.rglob("*") if file.is_file()]
+    assert {file.name for file in files} >= {COMPLETE, "optimizer.safetensors", "trainer.json"}
+    for file in files:
+        assert file.suffix in {".json", ".safetensors"} or file.name in {
+            COMPLETE,
+            *TOKENIZER_FILES,
+        }, file
+        head = file.read_bytes()[:4]
+        # Pickle protocols 2-5 start with 0x80 and the protocol; torch.save writes a zip.
+        assert not (head[:1] == b"\x80" and head[1:2] in b"\x02\x03\x04\x05"), file
+        assert not head.startswith(b"PK\x03\x04"), file
+
+
+def test_a_crash_mid_save_keeps_the_previous_checkpoint(tmp_path: Path, tokenizer, monkeypatch):
+    training = Training(seed=0)
+    first = training.save(tmp_path, 1, tokenizer)
+
+    def disk_full(directory: Path) -> None:
+        raise OSError("No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint, "_save_rng", disk_full)
+        with pytest.raises(OSError, match="No space left"):
+            training.save(tmp_path, 2, tokenizer)
+
+    assert latest_checkpoint(tmp_path) == first
+    (temp,) = [entry for entry in tmp_path.iterdir() if entry.name.startswith(".step-000002.tmp-")]
+    assert (temp / "model" / "model.safetensors").is_file() and not (temp / COMPLETE).exists()
+
+    # The next save cleans the leftovers up.
+    second = training.save(tmp_path, 2, tokenizer)
+    assert latest_checkpoint(tmp_path) == second
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["step-000001", "step-000002"]
+
+
+def test_a_directory_without_the_marker_is_not_a_checkpoint(tmp_path: Path, tokenizer):
+    first = Training(seed=0).save(tmp_path, 1, tokenizer)
+    (tmp_path / "step-000009").mkdir()
+    assert latest_checkpoint(tmp_path) == first
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        Training(seed=0).load(tmp_path / "step-000009")
+
+
+def test_keep_last_prunes_the_oldest(tmp_path: Path, tokenizer):
+    training = Training(seed=0)
+    for step in range(1, 6):
+        training.save(tmp_path, step * 10, tokenizer, keep_last=2)
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["step-000040", "step-000050"]
+    prune(tmp_path, 1)
+    assert [entry.name for entry in tmp_path.iterdir()] == ["step-000050"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-000050"
+
+
+def test_saving_an_existing_step_replaces_it(tmp_path: Path, tokenizer):
+    training = Training(seed=0)
+    training.save(tmp_path, 3, tokenizer, note="first")
+    path = training.save(tmp_path, 3, tokenizer, note="second")
+    assert [entry.name for entry in tmp_path.iterdir()] == ["step-000003"]
+    assert Training(seed=1).load(path)["note"] == "second"
+
+
+def test_latest_of_a_missing_root_is_none(tmp_path: Path):
+    assert latest_checkpoint(tmp_path / "nothing-here") is None
+
+
+def test_a_trainer_state_that_is_not_json_fails_before_writing(tmp_path: Path, tokenizer):
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        Training(seed=0).save(tmp_path, 1, tokenizer, cursor=object())
+    assert not tmp_path.joinpath("step-000001").exists()
+
+
+def test_without_optimizer_state(tmp_path: Path, tokenizer):
+    original = Training(seed=0)
+    original.step()
+    path = save_checkpoint(
+        tmp_path,
+        1,
+        model=original.model,
+        tokenizer=tokenizer,
+        optimizer=None,
+        scheduler=None,
+        trainer_state={"step": 1},
+        keep_last=1,
+    )
+    assert not (path / "optimizer.safetensors").exists()
+    with pytest.raises(ValueError, match="pass optimizer=None"):
+        Training(seed=1).load(path)
+    fresh = Training(seed=1)
+    load_checkpoint(path, model=fresh.model, optimizer=None, scheduler=None)
+    assert_same_weights(original.model, fresh.model)
+
+
+def test_weights_of_another_architecture_are_refused(tmp_path: Path, tokenizer):
+    path = Training(seed=0).save(tmp_path, 1, tokenizer)
+    other = tiny_model(0)
+    other.model.layers = other.model.layers[:1]
+    with pytest.raises(ValueError, match=r"unexpected \['model\.layers\.1\."):
+        load_checkpoint(path, model=other, optimizer=None, scheduler=None)

@@ -1,0 +1,288 @@
+"""The hf engine: what it reports must be what the learner recomputes, batching must not change
+what a prompt gets, and finish reasons, stop strings, seeds and grouping behave as documented."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rollout.engines.base import Completion, SamplingParams
+from rollout.engines.hf import HfEngine, cut_at_stop, truncate
+from rollout.runtime.models import apply_chat_template
+
+LOGPROB_TOLERANCE = 1e-4
+"""Max abs difference between the engine's and the learner's log-probs, in float32. Measured:
+about 1e-6 (cached decoding and a full forward add up the same products in another order)."""
+
+QUESTIONS = ("What is 2 + 3?", "Hi", "Compute 12 * 7 - 7, then explain the answer step by step.")
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_llama) -> list[list[int]]:
+    """Chat prompts of different lengths (17, 13 and 35 tokens)."""
+    return [
+        apply_chat_template(tiny_llama.tokenizer, tiny_llama.chat_template, q, None)
+        for q in QUESTIONS
+    ]
+
+
+def make_engine(loaded, **overrides) -> HfEngine:
+    """An engine on a LoadedModel, seeded; `overrides` replace constructor arguments."""
+    arguments = {
+        "eos_token_ids": loaded.eos_token_ids,
+        "pad_token_id": loaded.pad_token_id,
+        "tokenizer": loaded.tokenizer,
+        "seed": 0,
+    }
+    return HfEngine(loaded.model, **{**arguments, **overrides})
+
+
+@pytest.fixture
+def engine(tiny_llama) -> HfEngine:
+    return make_engine(tiny_llama)
+
+
+def greedy(max_new_tokens: int = 16, **kwargs) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, **kwargs)
+
+
+def learner_logprobs(
+    model, prompts: list[list[int]], completions: list[Completion], temperature: float
+) -> list[list[float]]:
+    """What the learner computes: one forward over prompt + completion, right-padded, no cache,
+    log_softmax(logits / T) at each completion token (predicted from the position before it)."""
+    sequences = [prompts[c.prompt_index] + c.token_ids for c in completions]
+    width = max(len(s) for s in sequences)
+    input_ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(sequences), width, dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        input_ids[row, : len(sequence)] = torch.tensor(sequence)
+        attention_mask[row, : len(sequence)] = 1
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+    logprobs = (logits / (temperature or 1.0)).log_softmax(-1)  # [B, S, V]
+    result = []
+    for row, completion in enumerate(completions):
+        start = len(prompts[completion.prompt_index])
+        targets = torch.tensor(completion.token_ids)
+        predicted = logprobs[row, start - 1 : start - 1 + len(targets)]
+        result.append(predicted.gather(-1, targets[:, None]).squeeze(-1).tolist())
+    return result
+
+
+# --- the contract with the learner -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_new_tokens=12, temperature=1.0, n=2, seed=1),
+        SamplingParams(max_new_tokens=12, temperature=0.7, n=2, seed=2),
+        # Truncation changes what is sampled, never the reported (untruncated) log-probs.
+        SamplingParams(max_new_tokens=12, temperature=0.7, top_k=50, top_p=0.9, n=2, seed=3),
+        greedy(12),
+    ],
+    ids=["t1.0", "t0.7", "t0.7-top_k-top_p", "greedy"],
+)
+def test_logprobs_match_the_learners_recomputation(tiny_llama, engine, prompts, params):
+    completions = engine.generate(prompts, params)
+    expected = learner_logprobs(tiny_llama.model, prompts, completions, params.temperature)
+    worst = 0.0
+    for completion, learner in zip(completions, expected, strict=True):
+        assert len(completion.logprobs) == len(completion.token_ids) == len(learner)
+        worst = max(worst, *(abs(a - b) for a, b in zip(completion.logprobs, learner, strict=True)))
+    assert worst < LOGPROB_TOLERANCE
+
+
+def test_batching_and_left_padding_change_nothing(tiny_llama, engine, prompts):
+    together = engine.generate(prompts, greedy())
+    chunked = make_engine(tiny_llama, max_batch_size=2).generate(prompts, greedy())
+    for index, prompt in enumerate(prompts):
+        (alone,) = engine.generate([prompt], greedy())
+        assert together[index].token_ids == chunked[index].token_ids == alone.token_ids
+        assert together[index].logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+    # The tiny model is random but not degenerate: prompts get different continuations.
+    assert len({tuple(c.token_ids) for c in together}) == len(prompts)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_top_k_1_is_greedy(engine, prompts, temperature):
+    expected = engine.generate(prompts, greedy())
+    sampled = engine.generate(
+        prompts, SamplingParams(max_new_tokens=16, temperature=temperature, top_k=1)
+    )
+    assert [c.token_ids for c in sampled] == [c.token_ids for c in expected]
+    if temperature == 1.0:  # greedy reports T=1 log-probs
+        assert [c.logprobs for c in sampled] == [c.logprobs for c in expected]
+
+
+# --- sampling randomness ---------------------------------------------------------------------
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ(engine, prompts):
+    def sample(seed):
+        params = SamplingParams(max_new_tokens=16, temperature=1.0, n=2, seed=seed)
+        return [c.token_ids for c in engine.generate(prompts, params)]
+
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+
+
+def test_unseeded_calls_draw_from_the_engine_generator(tiny_llama, prompts):
+    params = SamplingParams(max_new_tokens=16, temperature=1.0)
+    first, second = make_engine(tiny_llama, seed=5), make_engine(tiny_llama, seed=5)
+    assert first.generate(prompts, params) == second.generate(prompts, params)  # same seed
+    assert first.generate(prompts, params) != first.generate(prompts, params)  # the stream moves on
+
+
+# --- finishing ---------------------------------------------------------------------------------
+
+
+def test_length(engine, prompts):
+    for completion in engine.generate(prompts, greedy(5)):
+        assert completion.finish_reason == "length"
+        assert len(completion.token_ids) == len(completion.logprobs) == 5
+
+
+def test_eos_is_included_and_ends_only_its_row(tiny_llama, engine, prompts):
+    reference = engine.generate(prompts, greedy())
+    eos = reference[0].token_ids[3]  # pretend the 4th token of prompt 0 ends a turn
+    completions = make_engine(tiny_llama, eos_token_ids=[eos]).generate(prompts, greedy())
+    for completion, full in zip(completions, reference, strict=True):
+        if eos in full.token_ids:
+            end = full.token_ids.index(eos) + 1
+            assert completion.token_ids == full.token_ids[:end]
+            assert completion.logprobs == pytest.approx(full.logprobs[:end], abs=1e-5)
+            assert completion.finish_reason == "eos"
+        else:  # the other rows go on to max_new_tokens, unaffected
+            assert completion.token_ids == full.token_ids
+            assert completion.finish_reason == "length"
+    assert completions[0].finish_reason == "eos"
+
+
+def test_stop_string_cuts_text_and_tokens(tiny_llama, engine, prompts):
+    (full,) = engine.generate(prompts[:1], greedy(24))
+    decode = tiny_llama.tokenizer.decode
+    # A stop string of two whole tokens, from the middle of the text, found nowhere before.
+    for start in range(2, len(full.token_ids) - 2):
+        stop = decode(full.token_ids[start : start + 2])
+        before = decode(full.token_ids[:start])
+        if stop.isprintable() and decode(full.token_ids).find(stop) == len(before):
+            break
+    else:
+        pytest.fail(f"no usable stop string in {full.text!r}")
+
+    (completion,) = engine.generate(prompts[:1], greedy(24, stop=("never produced", stop)))
+    assert completion.finish_reason == "stop"
+    assert completion.text == before
+    assert completion.token_ids == full.token_ids[:start]
+    assert completion.logprobs == full.logprobs[:start]
+
+
+def test_cut_at_stop(tiny_llama):
+    tokenizer = tiny_llama.tokenizer
+    ids = tokenizer.encode("The answer is 42.\nNext line", add_special_tokens=False)
+
+    def decode(token_ids):
+        return tokenizer.decode(token_ids)
+
+    keep, text = cut_at_stop(ids, ("\n", "line"), decode)
+    assert text == "The answer is 42."
+    assert decode(ids[:keep]) == text
+    # The earliest stop string wins, whichever is listed first.
+    assert cut_at_stop(ids, ("line", " is"), decode)[1] == "The answer"
+    # A stop string that starts inside a token: the token goes, the text keeps its first part.
+    keep, text = cut_at_stop(ids, ("swer",), decode)
+    assert text == "The an"
+    assert text.startswith(decode(ids[:keep]))
+    assert decode(ids[: keep + 1]).find("swer") >= 0
+    assert cut_at_stop(ids, ("absent",), decode) == (len(ids), decode(ids))
+
+
+# --- grouping, weights, bookkeeping ------------------------------------------------------------
+
+
+def test_n_completions_are_grouped_by_prompt(engine, prompts):
+    completions = engine.generate(prompts[:2], SamplingParams(max_new_tokens=8, n=3, seed=0))
+    assert [c.prompt_index for c in completions] == [0, 0, 0, 1, 1, 1]
+    assert len({tuple(c.token_ids) for c in completions[:3]}) > 1  # independent samples
+
+
+def test_load_weights(tiny_llama, engine, prompts):
+    model = tiny_llama.model
+    engine.load_weights(None, version=3)
+    assert engine.policy_version == 3
+    assert {c.policy_version for c in engine.generate(prompts, greedy(2))} == {3}
+
+    original = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    try:
+        changed = {name: tensor * 1.5 for name, tensor in original.items()}
+        engine.load_weights(changed, version=4)
+        assert torch.equal(model.model.norm.weight, changed["model.norm.weight"])
+        with pytest.raises(RuntimeError, match="Missing key"):
+            engine.load_weights({"model.norm.weight": original["model.norm.weight"]}, version=5)
+    finally:
+        model.load_state_dict(original)
+    assert engine.policy_version == 4
+
+
+def test_a_model_in_train_mode_samples_as_in_eval_mode_and_stays_in_train_mode(
+    tiny_llama, engine, prompts
+):
+    expected = engine.generate(prompts, greedy(8))
+    tiny_llama.model.train()
+    try:
+        assert engine.generate(prompts, greedy(8)) == expected
+        assert tiny_llama.model.training
+    finally:
+        tiny_llama.model.eval()
+
+
+def test_stats_and_generate_one(engine, prompts):
+    completions = engine.generate_one(prompts[0], SamplingParams(max_new_tokens=4, n=2, seed=0))
+    assert [c.prompt_index for c in completions] == [0, 0]
+    assert engine.stats.prompt_tokens == 2 * len(prompts[0])
+    assert engine.stats.generated_tokens == 8
+    assert engine.stats.seconds > 0
+
+
+def test_empty_prompt_is_refused(engine):
+    with pytest.raises(ValueError, match="no tokens"):
+        engine.generate([[1, 2], []], greedy(2))
+
+
+# --- truncation by hand ------------------------------------------------------------------------
+
+
+def test_truncate_top_k_and_top_p():
+    probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
+    logits = probs.log()
+    kept = lambda out: (out > -math.inf).squeeze(0).tolist()  # noqa: E731
+    assert kept(truncate(logits, top_k=2, top_p=1.0)) == [False, True, False, True]
+    # The nucleus is the smallest set reaching top_p: 0.5 + 0.3 = 0.8.
+    assert kept(truncate(logits, top_k=0, top_p=0.8)) == [False, True, False, True]
+    assert kept(truncate(logits, top_k=0, top_p=0.81)) == [False, True, True, True]
+    assert kept(truncate(logits, top_k=0, top_p=0.01)) == [False, True, False, False]
+    assert kept(truncate(logits, top_k=0, top_p=1.0)) == [True] * 4
+
+
+# --- a real model (slow) -----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_logprobs_and_batching(smollm2):
+    questions = ("What is 2 + 3?", "Name a color.")
+    prompts = [
+        apply_chat_template(smollm2.tokenizer, smollm2.chat_template, q, None) for q in questions
+    ]
+    engine = make_engine(smollm2)
+    params = SamplingParams(max_new_tokens=16, temperature=0.7, n=2, seed=0)
+    completions = engine.generate(prompts, params)
+    expected = learner_logprobs(smollm2.model, prompts, completions, params.temperature)
+    for completion, learner in zip(completions, expected, strict=True):
+        assert completion.logprobs == pytest.approx(learner, abs=LOGPROB_TOLERANCE)
+    together = engine.generate(prompts, greedy())
+    for prompt, completion in zip(prompts, together, strict=True):
+        assert engine.generate([prompt], greedy())[0].token_ids == completion.token_ids

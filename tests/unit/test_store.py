@@ -1,0 +1,310 @@
+"""The SQLite run store: CRUD, status times, filters, ordering, migrations, locations."""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+import threading
+import time
+
+import pytest
+
+from rollout.errors import RolloutError
+from rollout.storage import check_run_id, default_store_location, find_run, open_store
+from rollout.storage.base import CheckpointRecord, MetricRecord
+from rollout.storage.migrations import MIGRATIONS
+from rollout.storage.sqlite import SqliteRunStore
+
+
+@pytest.fixture
+def store(tmp_path):
+    with SqliteRunStore(tmp_path / "rollout.db") as the_store:
+        yield the_store
+
+
+def make_run(store, run_id="r1", **overrides):
+    fields = {"name": "t", "plan_sha256": "ab" * 32, "plan_path": "/p/plan.lock", "run_dir": "/p"}
+    return store.create_run(run_id, **{**fields, **overrides})
+
+
+def log(run_id, level="info", rank=0, role="learner", message="m"):
+    return (run_id, time.time(), level, rank, role, message)
+
+
+# --- runs
+
+
+def test_create_and_get_run(store):
+    created = make_run(store)
+    assert created.status == "planned" and not created.cancel_requested
+    assert created.started_at is None and created.ended_at is None and created.last_step is None
+    assert store.get_run("r1") == created
+    assert store.get_run("nope") is None
+
+
+def test_duplicate_run_id_is_a_user_error(store):
+    make_run(store)
+    with pytest.raises(RolloutError, match="already exists"):
+        make_run(store)
+
+
+def test_status_times(store):
+    make_run(store)
+    store.set_status("r1", "running")
+    running = store.get_run("r1")
+    assert running.started_at is not None and running.ended_at is None
+    store.set_status("r1", "running")  # re-entering running keeps the clock
+    assert store.get_run("r1").started_at == running.started_at
+    store.set_status("r1", "failed", error="Traceback...\nValueError: x")
+    failed = store.get_run("r1")
+    assert failed.ended_at >= failed.started_at and failed.error.endswith("ValueError: x")
+
+
+def test_resuming_starts_afresh(store):
+    make_run(store)
+    store.set_status("r1", "running")
+    store.request_cancel("r1")
+    store.set_status("r1", "stopped", error="stopped by user")
+    store.set_status("r1", "running")
+    resumed = store.get_run("r1")
+    assert resumed.status == "running" and resumed.ended_at is None
+    assert resumed.error is None and not resumed.cancel_requested
+
+
+def test_unknown_status_and_unknown_run_are_refused(store):
+    make_run(store)
+    with pytest.raises(ValueError, match="unknown run status"):
+        store.set_status("r1", "done")
+    with pytest.raises(KeyError):
+        store.set_status("nope", "running")
+    with pytest.raises(KeyError):
+        store.request_cancel("nope")
+
+
+def test_request_cancel(store):
+    make_run(store)
+    store.set_status("r1", "running")
+    store.request_cancel("r1")
+    assert store.get_run("r1").cancel_requested
+
+
+def test_list_runs_newest_first_with_status_filter_and_limit(store):
+    for index in range(3):
+        make_run(store, f"r{index}")
+    store.set_status("r1", "running")
+    assert [run.run_id for run in store.list_runs()] == ["r2", "r1", "r0"]
+    assert [run.run_id for run in store.list_runs(status="running")] == ["r1"]
+    assert [run.run_id for run in store.list_runs(limit=2)] == ["r2", "r1"]
+    assert store.list_runs(status="failed") == []
+
+
+# --- rows
+
+
+def test_metrics_ordered_by_name_then_step_with_filter(store):
+    make_run(store)
+    now = time.time()
+    store.add_metrics(
+        MetricRecord("r1", step, name, float(step), now)
+        for step in (2, 0, 1)
+        for name in ("reward", "loss")
+    )
+    assert [(m.name, m.step) for m in store.metrics("r1")] == [
+        ("loss", 0),
+        ("loss", 1),
+        ("loss", 2),
+        ("reward", 0),
+        ("reward", 1),
+        ("reward", 2),
+    ]
+    assert {m.name for m in store.metrics("r1", names=["loss"])} == {"loss"}
+    assert store.metrics("r1", names=[]) == []
+
+
+def test_latest_metrics_and_last_step(store):
+    make_run(store)
+    now = time.time()
+    store.add_metrics(
+        [MetricRecord("r1", 5, "loss", 0.5, now), MetricRecord("r1", 7, "kl", 1, now)]
+    )
+    store.add_metrics([MetricRecord("r1", 3, "loss", 0.9, now)])  # late, lower step
+    latest = store.latest_metrics("r1")
+    assert {name: (m.step, m.value) for name, m in latest.items()} == {
+        "kl": (7, 1.0),
+        "loss": (5, 0.5),
+    }
+    assert store.get_run("r1").last_step == 7
+
+
+def test_nan_metric_is_kept(store):
+    make_run(store)
+    store.add_metrics([MetricRecord("r1", 1, "loss", math.nan, time.time())])
+    assert math.isnan(store.latest_metrics("r1")["loss"].value)
+
+
+def test_rows_for_an_unknown_run_are_refused(store):
+    with pytest.raises(sqlite3.IntegrityError):
+        store.add_logs([log("ghost")])
+
+
+def test_logs_filters_and_paging(store):
+    make_run(store)
+    store.add_logs(
+        [
+            log("r1", "debug", 0, "actor", "a"),
+            log("r1", "info", 1, "learner", "b"),
+            log("r1", "warning", 0, "actor+learner", "c"),
+            log("r1", "error", 1, "actor", "d"),
+        ]
+    )
+    messages = lambda **kw: [r.message for r in store.logs("r1", **kw)]  # noqa: E731
+    assert messages() == ["a", "b", "c", "d"]
+    assert messages(level="warning") == ["c", "d"]
+    assert messages(rank=1) == ["b", "d"]
+    assert messages(role="learner") == ["b", "c"]  # a colocated process counts for each role
+    assert messages(role="earn") == []
+    assert messages(limit=2) == ["a", "b"]
+    first_two = store.logs("r1", limit=2)
+    assert messages(after_id=first_two[-1].id) == ["c", "d"]
+    assert messages(newest_first=True, limit=3) == ["d", "c", "b"]
+
+
+def test_checkpoints_ordered_and_replaced_at_the_same_step(store):
+    make_run(store)
+    store.add_checkpoint(CheckpointRecord("r1", 20, "/c/20", 1.0))
+    store.add_checkpoint(CheckpointRecord("r1", 10, "/c/10", 2.0))
+    store.add_checkpoint(CheckpointRecord("r1", 20, "/c/20b", 3.0))
+    assert [(c.step, c.location) for c in store.checkpoints("r1")] == [
+        (10, "/c/10"),
+        (20, "/c/20b"),
+    ]
+
+
+def test_transaction_is_all_or_nothing(store):
+    make_run(store)
+    with pytest.raises(sqlite3.IntegrityError), store.transaction():
+        store.add_logs([log("r1")])
+        store.add_logs([log("ghost")])
+    assert store.logs("r1") == []
+
+
+# --- schema and connection
+
+
+def test_migrations_are_numbered_in_order():
+    assert [number for number, _ in MIGRATIONS] == list(range(1, len(MIGRATIONS) + 1))
+
+
+def test_reopening_is_idempotent(tmp_path):
+    path = tmp_path / "rollout.db"
+    for _ in range(3):
+        with SqliteRunStore(path) as store:
+            make_run(store, f"r{time.monotonic_ns()}")
+    versions = sqlite3.connect(path).execute("SELECT version FROM schema_version").fetchall()
+    assert versions == [(number,) for number, _ in MIGRATIONS]
+
+
+def test_concurrent_open_of_a_fresh_file(tmp_path):
+    """Threads stand in for processes here (each has its own connection); the integration test
+    does it with processes."""
+    path = tmp_path / "rollout.db"
+    barrier = threading.Barrier(6)
+    errors = []
+
+    def open_once():
+        barrier.wait()
+        try:
+            SqliteRunStore(path).close()
+        except Exception as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=open_once) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert sqlite3.connect(path).execute("SELECT COUNT(*) FROM schema_version").fetchone() == (
+        len(MIGRATIONS),
+    )
+
+
+def test_connection_settings(store):
+    pragma = lambda name: store._conn.execute(f"PRAGMA {name}").fetchone()[0]  # noqa: E731
+    assert pragma("journal_mode") == "wal"
+    assert pragma("foreign_keys") == 1
+    assert pragma("synchronous") == 1  # NORMAL
+    assert pragma("busy_timeout") == 30_000
+
+
+def test_a_newer_schema_is_refused(tmp_path):
+    path = tmp_path / "rollout.db"
+    SqliteRunStore(path).close()
+    with sqlite3.connect(path) as conn:
+        conn.execute("INSERT INTO schema_version VALUES (999, 0)")
+    with pytest.raises(RolloutError, match="newer than this rollout knows"):
+        SqliteRunStore(path)
+
+
+# --- locations and lookups
+
+
+def test_open_store_creates_parent_directories(tmp_path):
+    path = tmp_path / "a" / "b" / "rollout.db"
+    open_store(f"sqlite:{path}").close()
+    assert path.is_file()
+
+
+def test_reading_a_missing_store_never_creates_it(tmp_path):
+    path = tmp_path / "missing" / "rollout.db"
+    with pytest.raises(RolloutError, match="no run store here") as info:
+        open_store(f"sqlite:{path}", create=False)
+    assert info.value.issues[0].path == str(path)
+    assert not path.parent.exists()
+
+
+def test_a_file_that_is_not_a_database(tmp_path):
+    path = tmp_path / "rollout.db"
+    path.write_text("hello, this is not sqlite" * 100)
+    with pytest.raises(RolloutError, match="cannot open the run store"):
+        open_store(f"sqlite:{path}", create=False)
+
+
+@pytest.mark.parametrize(
+    ("location", "message"),
+    [
+        ("postgres:env:ROLLOUT_PG_DSN", "postgres run store is not available in this version"),
+        ("postgresql://user:secret@host/db", "postgres run store is not available"),
+        ("mysql://user:secret@host/db", "unknown run store scheme 'mysql'"),
+        ("runs/rollout.db", "is not a run store location"),
+        ("sqlite:", "is not a run store location"),
+    ],
+)
+def test_bad_locations(location, message):
+    with pytest.raises(RolloutError, match=message) as info:
+        open_store(location)
+    assert "secret" not in str(info.value)
+
+
+def test_default_store_location(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("ROLLOUT_STORE", raising=False)
+    assert default_store_location() == f"sqlite:{tmp_path.resolve() / 'runs' / 'rollout.db'}"
+    monkeypatch.setenv("ROLLOUT_STORE", "sqlite:/elsewhere.db")
+    assert default_store_location() == "sqlite:/elsewhere.db"
+
+
+@pytest.mark.parametrize("run_id", ["../r1", "a/b", "a\\b", "a b", "r1\n", ""])
+def test_path_like_run_ids_are_refused(run_id):
+    with pytest.raises(RolloutError, match="a run id has no"):
+        check_run_id(run_id)
+
+
+def test_find_run_suggests_close_ids(store):
+    make_run(store, "grpo-tiny-20260101-000000-abc123")
+    assert find_run(store, "grpo-tiny-20260101-000000-abc123", "here").name == "t"
+    with pytest.raises(
+        RolloutError, match="no run 'grpo-tiny-20260101-000000-abc12' in here"
+    ) as info:
+        find_run(store, "grpo-tiny-20260101-000000-abc12", "here")
+    assert info.value.issues[0].hint == "did you mean 'grpo-tiny-20260101-000000-abc123'?"
