@@ -27,7 +27,7 @@ SetOption = Annotated[
         "-s",
         metavar="KEY=VALUE",
         help="Override one value, e.g. --set algorithm.lr=1e-5 (repeatable). VALUE is "
-        "read as TOML; anything else is a string.",
+        "read as TOML (null unsets a key); anything else is a string.",
     ),
 ]
 FormatOption = Annotated[

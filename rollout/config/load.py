@@ -127,7 +127,8 @@ def apply_overrides(
 
     VALUE is read as a TOML value (``3``, ``1e-5``, ``true``, ``"text"``, ``[1, 2]``,
     ``{ a = 1 }``); anything that is not valid TOML is taken as a plain string, so
-    ``--set model.path=./ckpt`` works without quoting. ``rewards[0].weight=2`` indexes a list.
+    ``--set model.path=./ckpt`` works without quoting; ``null`` unsets an optional key (e.g.
+    ``--set data.eval=null``). ``rewards[0].weight=2`` indexes a list.
     """
     result = json.loads(json.dumps(raw))  # deep copy of plain data
     issues = []
@@ -166,6 +167,8 @@ def _parse_override(override: str) -> tuple[list[str | int], Any]:
 
 
 def _parse_value(text: str) -> Any:
+    if text == "null":  # TOML has no null; this is how an override unsets an optional key
+        return None
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:

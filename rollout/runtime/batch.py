@@ -53,43 +53,51 @@ class RolloutBatch:
 
 @dataclass
 class PaddedBatch:
-    """A micro batch ready for one forward pass: prompt + completion, right-padded.
+    """A micro batch ready for one forward pass: prompt + completion, LEFT-padded, so every
+    row's completion ends at the last position and the logits of the last ``K + 1`` positions
+    (K = the longest completion) cover every completion token. The model then never computes
+    vocabulary logits for prompt positions.
 
-    Position t of ``targets``/``completion_mask``/``old_logprobs`` is the token at t + 1 of
-    ``input_ids``: logits at t predict it. Shapes: input_ids and attention_mask [B, L];
-    targets, completion_mask and old_logprobs [B, L - 1].
+    Shapes: input_ids, attention_mask, position_ids [B, L]; targets, completion_mask and
+    old_logprobs [B, K], where position k holds token L - K + k, predicted by logits at
+    L - K - 1 + k.
     """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
+    position_ids: torch.Tensor
     targets: torch.Tensor
     completion_mask: torch.Tensor
     old_logprobs: torch.Tensor
     advantages: torch.Tensor
 
+    @property
+    def logits_to_keep(self) -> int:
+        return self.targets.shape[1] + 1
+
 
 def pad_for_learner(batch: RolloutBatch, pad_id: int, device: torch.device | str) -> PaddedBatch:
     rows = [p + c for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True)]
     length = max(len(r) for r in rows)
+    longest = max(1, max(len(c) for c in batch.completion_ids))
     size = len(rows)
     input_ids = torch.full((size, length), pad_id, dtype=torch.long)
     attention = torch.zeros((size, length), dtype=torch.long)
-    completion = torch.zeros((size, length - 1), dtype=torch.bool)
-    old = torch.zeros((size, length - 1), dtype=torch.float32)
-    for i, (prompt, tokens, logprobs) in enumerate(
-        zip(batch.prompt_ids, batch.completion_ids, batch.old_logprobs, strict=True)
-    ):
-        n_prompt, n_completion = len(prompt), len(tokens)
-        input_ids[i, : n_prompt + n_completion] = torch.tensor(prompt + tokens)
-        attention[i, : n_prompt + n_completion] = 1
-        # The first completion token is predicted at the last prompt position.
-        span = slice(n_prompt - 1, n_prompt - 1 + n_completion)
-        completion[i, span] = True
-        old[i, span] = torch.tensor(logprobs, dtype=torch.float32)
+    completion = torch.zeros((size, longest), dtype=torch.bool)
+    old = torch.zeros((size, longest), dtype=torch.float32)
+    for i, (row, logprobs) in enumerate(zip(rows, batch.old_logprobs, strict=True)):
+        input_ids[i, length - len(row) :] = torch.tensor(row)
+        attention[i, length - len(row) :] = 1
+        if logprobs:
+            completion[i, longest - len(logprobs) :] = True
+            old[i, longest - len(logprobs) :] = torch.tensor(logprobs, dtype=torch.float32)
+    # Positions count real tokens only, as the engine's did when it sampled with left padding.
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
     return PaddedBatch(
         input_ids=input_ids.to(device),
         attention_mask=attention.to(device),
-        targets=input_ids[:, 1:].to(device),
+        position_ids=positions.to(device),
+        targets=input_ids[:, length - longest :].to(device),
         completion_mask=completion.to(device),
         old_logprobs=old.to(device),
         advantages=batch.advantages.to(device),

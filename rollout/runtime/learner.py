@@ -93,17 +93,11 @@ class Learner:
         self, padded: PaddedBatch, total_tokens: float, minibatch_size: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
         knobs = self.knobs
-        logits = self.model(
-            input_ids=padded.input_ids, attention_mask=padded.attention_mask
-        ).logits[:, :-1]
-        logprobs = token_logprobs(logits, padded.targets, knobs.temperature)
+        logprobs = self._completion_logprobs(self.model, padded)
         ref_logprobs = None
         if self.reference is not None and knobs.kl_coef > 0:
             with torch.no_grad():
-                ref_logits = self.reference(
-                    input_ids=padded.input_ids, attention_mask=padded.attention_mask
-                ).logits[:, :-1]
-                ref_logprobs = token_logprobs(ref_logits, padded.targets, knobs.temperature)
+                ref_logprobs = self._completion_logprobs(self.reference, padded)
         mode, scale = _accumulating(knobs.loss_aggregation, len(padded.advantages), minibatch_size)
         loss, stats = grpo_loss(
             logprobs,
@@ -121,6 +115,16 @@ class Learner:
             max_new_tokens=knobs.max_new_tokens,
         )
         return loss * scale, stats
+
+    def _completion_logprobs(self, model: torch.nn.Module, padded: PaddedBatch) -> torch.Tensor:
+        """[B, K] log-probs of the completion tokens; vocabulary logits only where needed."""
+        logits = model(
+            input_ids=padded.input_ids,
+            attention_mask=padded.attention_mask,
+            position_ids=padded.position_ids,
+            logits_to_keep=padded.logits_to_keep,
+        ).logits[:, :-1]
+        return token_logprobs(logits, padded.targets, self.knobs.temperature)
 
     def _token_count(self, minibatch: RolloutBatch) -> float:
         """Completion tokens the loss is normalized by: this rank's minibatch, or, for

@@ -1,0 +1,498 @@
+"""rollout's GRPO against TRL's GRPOTrainer: the same job, side by side, in one invocation.
+
+The job is examples/grpo-arith.toml cut to a timing run: SmolLM2-135M-Instruct in fp32 on the CPU
+with 2 threads, 2 addition prompts x 4 completions per step, at most 32 new tokens, the
+numeric_match reward, no KL, one optimizer update per step. Each side runs in its own
+subprocess, so both pay their own start-up and their peak RSS is measured the same way:
+
+  rollout  the real CLI path: `rollout run --config COPY --set ...`; per-step times come from
+           the run store (perf/step_s, perf/generate_s, perf/train_s, perf/generated_tokens).
+  TRL      GRPOTrainer in this script's hidden --trl-worker mode (trl is imported only there); a
+           callback times each step, completions/mean_length gives the generated tokens.
+
+The first --warmup steps of each side are run but not timed. The machines are noisy: compare the
+two columns of one invocation, and quote the ratios.
+
+    python benchmarks/grpo_vs_trl.py --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "grpo-arith.toml"
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "grpo_vs_trl.json"
+THREADS = 2
+POLL_S = 0.5  # process-tree RSS sampling; coarse, so the sampler itself costs little CPU
+GIB = 1 << 30
+# Set before python starts: torch.set_num_threads at run time alone leaves small ops ~20x slower.
+CHILD_ENV = {
+    "OMP_NUM_THREADS": str(THREADS),
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+ROLLOUT_METRICS = ("perf/step_s", "perf/generate_s", "perf/train_s", "perf/generated_tokens")
+
+
+@dataclass(frozen=True)
+class Job:
+    """What both sides run, read from examples/grpo-arith.toml (plus the step counts)."""
+
+    model_dir: str
+    train_path: str
+    system_prompt: str
+    lr: float
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    completions_per_step: int
+    num_generations: int
+    seed: int
+    total_steps: int
+    warmup: int
+
+
+@dataclass(frozen=True)
+class ProcessStats:
+    wall_s: float
+    peak_rss_gib: float
+    """The largest single process of the tree (the worker): wait4's ru_maxrss, which covers
+    every descendant its parent waited for."""
+    tree_peak_rss_gib: float
+    """The largest sum of RSS over the live process tree, sampled every POLL_S."""
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side's per-step series (timed steps only) and its process measurements."""
+
+    name: str
+    step_s: list[float]
+    generate_s: list[float]
+    generated_tokens: list[float]
+    process: ProcessStats
+
+
+# --- the job -------------------------------------------------------------------------------------
+
+
+def build_job(steps: int, warmup: int) -> Job:
+    from rollout.config.load import read_config_file
+
+    example = read_config_file(EXAMPLE)
+    algorithm, generation = example["algorithm"], example["generation"]
+    return Job(
+        model_dir=str(dense_model_dir(example["model"])),
+        train_path=str((EXAMPLE.parent / example["data"]["train"]["path"]).resolve()),
+        system_prompt=example["data"]["system_prompt"],
+        lr=algorithm["lr"],
+        temperature=generation["temperature"],
+        top_p=generation["top_p"],
+        max_new_tokens=generation["max_new_tokens"],
+        completions_per_step=algorithm["rollout_batch_size"],
+        num_generations=algorithm["num_generations"],
+        seed=example["run"]["seed"],
+        total_steps=warmup + steps,
+        warmup=warmup,
+    )
+
+
+def dense_model_dir(model: dict[str, Any]) -> Path:
+    """The dequantized Hugging Face copy of the packaged GGUF: the very files rollout loads.
+
+    Built here (once, cached) so that neither side's timing pays for the build.
+    """
+    from rollout.config.model import ModelSection
+    from rollout.plan.inspect_model import inspect_model
+    from rollout.runtime.models import dense_gguf_dir
+
+    facts = inspect_model(ModelSection(**model), base_dir=EXAMPLE.parent)
+    return dense_gguf_dir(facts.location.removeprefix("file://"), facts.fingerprint)
+
+
+# --- measuring a subprocess ----------------------------------------------------------------------
+
+
+def run_measured(command: list[str], log_path: Path) -> ProcessStats:
+    """Run `command` with CHILD_ENV, its output into `log_path`; fail loudly if it fails."""
+    import psutil  # a dependency of accelerate, which both sides need
+
+    started = time.perf_counter()
+    tree_peak = 0
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            command, env={**os.environ, **CHILD_ENV}, stdout=log, stderr=subprocess.STDOUT
+        )
+        while True:
+            # wait4, not Popen.wait: it also returns the finished tree's resource usage.
+            pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+            if pid:
+                break
+            tree_peak = max(tree_peak, tree_rss(psutil, process.pid))
+            time.sleep(POLL_S)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode != 0:
+        tail = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-30:]
+        sys.exit(
+            f"{' '.join(command[:4])} ... exited with {process.returncode}; "
+            f"last lines of {log_path}:\n" + "\n".join(tail)
+        )
+    return ProcessStats(
+        wall_s=time.perf_counter() - started,
+        peak_rss_gib=usage.ru_maxrss * 1024 / GIB,  # kilobytes on Linux
+        tree_peak_rss_gib=tree_peak / GIB,
+    )
+
+
+def tree_rss(psutil: Any, pid: int) -> int:
+    """Bytes resident in `pid` and all its descendants now (0 once it is gone)."""
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):  # exited between listing and reading
+            total += process.memory_info().rss
+    return total
+
+
+# --- rollout -------------------------------------------------------------------------------------
+
+
+def run_rollout(job: Job, workdir: Path, log: Path) -> Side:
+    config = write_rollout_config(job, workdir)
+    overrides = {
+        "algorithm.max_steps": job.total_steps,
+        "checkpoint.interval": job.total_steps + 1,  # only the final save, after the last step
+        "checkpoint.save_optimizer": "false",
+        "cluster.threads_per_process": THREADS,
+        "run.output_dir": json.dumps(str(workdir / "rollout-runs")),
+    }
+    command = [rollout_cli(), "run", "--config", str(config)]
+    for key, value in overrides.items():
+        command += ["--set", f"{key}={value}"]
+    print("rollout:", " ".join(command), flush=True)
+    process = run_measured(command, log)
+
+    from rollout.plan.definition import Plan
+
+    (plan_path,) = (workdir / "rollout-runs").glob("*/plan.lock")
+    series = read_rollout_metrics(Plan.from_file(str(plan_path), check_fresh=False))
+    timed = {name: values[job.warmup :] for name, values in series.items()}
+    return Side(
+        name="rollout",
+        step_s=timed["perf/step_s"],
+        generate_s=timed["perf/generate_s"],
+        generated_tokens=timed["perf/generated_tokens"],
+        process=process,
+    )
+
+
+def write_rollout_config(job: Job, workdir: Path) -> Path:
+    """A copy of the example without evaluation (--set cannot remove a table), its data path made
+    absolute since the copy lives elsewhere. Everything else changes through --set."""
+    import tomli_w
+
+    from rollout.config.load import read_config_file
+
+    config = read_config_file(EXAMPLE)
+    del config["data"]["eval"]
+    del config["run"]["eval_interval"]
+    config["data"]["train"]["path"] = job.train_path
+    path = workdir / "grpo-arith.toml"
+    path.write_text(tomli_w.dumps(config), encoding="utf-8")
+    return path
+
+
+def rollout_cli() -> str:
+    """The `rollout` console script of the interpreter running this benchmark."""
+    beside = Path(sys.executable).with_name("rollout")
+    return str(beside) if beside.exists() else "rollout"
+
+
+def read_rollout_metrics(plan: Any) -> dict[str, list[float]]:
+    """Each ROLLOUT_METRICS series in step order, from the run store the plan names."""
+    from rollout.storage import open_store
+
+    store = open_store(plan.derived.store, create=False)
+    try:
+        rows = store.metrics(plan.run_id, names=list(ROLLOUT_METRICS))
+    finally:
+        store.close()
+    by_step: dict[str, dict[int, float]] = {name: {} for name in ROLLOUT_METRICS}
+    for row in rows:
+        by_step[row.name][row.step] = row.value
+    return {name: [steps[s] for s in sorted(steps)] for name, steps in by_step.items()}
+
+
+# --- TRL -----------------------------------------------------------------------------------------
+
+
+def run_trl(job: Job, workdir: Path, log: Path) -> Side:
+    job_path, result_path = workdir / "trl-job.json", workdir / "trl-result.json"
+    job_path.write_text(json.dumps({"job": asdict(job), "result": str(result_path)}))
+    command = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(job_path)]
+    print("TRL:    ", " ".join(command), flush=True)
+    process = run_measured(command, log)
+    series = json.loads(result_path.read_text())
+    timed = {name: values[job.warmup :] for name, values in series.items()}
+    return Side(
+        name="TRL",
+        step_s=timed["step_s"],
+        generate_s=timed["generate_s"],
+        generated_tokens=timed["generated_tokens"],
+        process=process,
+    )
+
+
+def trl_worker(job_path: Path) -> None:
+    """Inside the TRL subprocess: train, then write each step's times and token counts."""
+    spec = json.loads(job_path.read_text())
+    job = Job(**spec["job"])
+    trainer, timer = build_trl_trainer(job, output_dir=job_path.parent / "trl-output")
+    trainer.train()
+    steps = sorted(timer.step_s)
+    series = {
+        "step_s": [timer.step_s[s] for s in steps],
+        "generate_s": trainer.generate_s[: len(steps)],
+        # TRL logs the mean completion length of the step's completions.
+        "generated_tokens": [timer.mean_length[s] * job.completions_per_step for s in steps],
+    }
+    Path(spec["result"]).write_text(json.dumps(series))
+
+
+def build_trl_trainer(job: Job, output_dir: Path) -> tuple[Any, Any]:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    class StepTimer(TrainerCallback):
+        """Wall time of each optimizer step (generation included) and its completion length."""
+
+        def __init__(self) -> None:
+            self.step_s: dict[int, float] = {}
+            self.mean_length: dict[int, float] = {}
+            self._started = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.step_s[state.global_step] = time.perf_counter() - self._started
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "completions/mean_length" in logs:
+                self.mean_length[state.global_step] = logs["completions/mean_length"]
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        """Times generation (a private method of TRL 1.16: it samples the step's completions)."""
+
+        generate_s: list[float]
+
+        def _generate(self, *args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return super()._generate(*args, **kwargs)
+            finally:
+                self.generate_s.append(time.perf_counter() - started)
+
+    config = GRPOConfig(
+        output_dir=str(output_dir),
+        max_steps=job.total_steps,
+        learning_rate=job.lr,
+        lr_scheduler_type="constant",
+        per_device_train_batch_size=job.completions_per_step,
+        gradient_accumulation_steps=1,
+        generation_batch_size=job.completions_per_step,
+        num_generations=job.num_generations,
+        num_iterations=1,
+        beta=0.0,
+        loss_type="dapo",  # normalized by the batch's completion tokens: rollout's token_mean
+        scale_rewards="group",
+        max_completion_length=job.max_new_tokens,
+        temperature=job.temperature,
+        top_p=job.top_p,
+        max_grad_norm=1.0,
+        optim="adamw_torch",  # rollout's optimizer: torch.optim.AdamW
+        gradient_checkpointing=False,  # TRL's default is on; rollout's (and the job's) is off
+        use_cpu=True,
+        bf16=False,
+        seed=job.seed,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_pin_memory=False,
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        job.model_dir, dtype=torch.float32, use_safetensors=True
+    )
+    tokenizer = AutoTokenizer.from_pretrained(job.model_dir)
+    timer = StepTimer()
+    trainer = TimedGRPOTrainer(
+        model=model,
+        reward_funcs=numeric_match_reward,
+        args=config,
+        train_dataset=Dataset.from_list(trl_records(job)),
+        processing_class=tokenizer,
+        callbacks=[timer],
+    )
+    trainer.generate_s = []
+    return trainer, timer
+
+
+def trl_records(job: Job) -> list[dict[str, Any]]:
+    """The training prompts as TRL conversations (system + user turn) with their answers."""
+    records = []
+    with open(job.train_path, encoding="utf-8") as lines:
+        for line in lines:
+            row = json.loads(line)
+            prompt = [
+                {"role": "system", "content": job.system_prompt},
+                {"role": "user", "content": row["prompt"]},
+            ]
+            records.append({"prompt": prompt, "answer": row["answer"]})
+    return records
+
+
+def numeric_match_reward(prompts, completions, answer, **_columns) -> list[float]:
+    """rollout's numeric_match in TRL's reward_funcs form: conversational completions are lists
+    of messages, and dataset columns (here `answer`) arrive as keyword arguments."""
+    from rollout.harness.rewards import numeric_match
+
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return numeric_match(prompts, texts, answer=answer)
+
+
+# --- report --------------------------------------------------------------------------------------
+
+
+def summarize(side: Side, completions_per_step: int) -> dict[str, Any]:
+    total_s = sum(side.step_s)
+    return {
+        "timed_steps": len(side.step_s),
+        "step_s_mean": statistics.mean(side.step_s),
+        "step_s_median": statistics.median(side.step_s),
+        "completions_per_s": completions_per_step * len(side.step_s) / total_s,
+        "generated_tokens_per_s": sum(side.generated_tokens) / total_s,
+        "generate_s_mean": statistics.mean(side.generate_s),
+        "train_s_mean": statistics.mean(side.step_s) - statistics.mean(side.generate_s),
+        **asdict(side.process),
+        "step_s": side.step_s,
+    }
+
+
+ROWS = (
+    # (label, key, digits, ratio shown)
+    ("seconds/step, mean", "step_s_mean", 2, True),
+    ("seconds/step, median", "step_s_median", 2, False),
+    ("completions/s", "completions_per_s", 3, True),
+    ("generated tokens/s", "generated_tokens_per_s", 1, False),
+    ("generation, s/step", "generate_s_mean", 2, True),
+    ("training (rest of the step), s/step", "train_s_mean", 2, True),
+    ("peak RSS, largest process (GiB)", "peak_rss_gib", 2, True),
+    ("peak RSS, process tree (GiB)", "tree_peak_rss_gib", 2, True),
+    ("wall time with start-up (s)", "wall_s", 0, False),
+)
+
+
+def render(results: dict[str, dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    names = list(results)
+    both = len(names) == 2
+    table = Table(title="GRPO step: SmolLM2-135M fp32, 2 prompts x 4 completions, 2 CPU threads")
+    table.add_column("")
+    for name in names:
+        table.add_column(name, justify="right")
+    if both:
+        table.add_column("rollout / TRL", justify="right")
+    for label, key, digits, with_ratio in ROWS:
+        cells = [f"{results[name][key]:.{digits}f}" for name in names]
+        if both:
+            ratio = results["rollout"][key] / results["TRL"][key] if with_ratio else None
+            cells.append(f"{ratio:.2f}x" if ratio is not None else "")
+        table.add_row(label, *cells)
+    Console().print(table)
+
+
+def ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:
+    if set(results) != {"rollout", "TRL"}:
+        return {}
+    rollout, trl = results["rollout"], results["TRL"]
+    return {
+        "completions_per_s": rollout["completions_per_s"] / trl["completions_per_s"],
+        "peak_rss": rollout["peak_rss_gib"] / trl["peak_rss_gib"],
+        "tree_peak_rss": rollout["tree_peak_rss_gib"] / trl["tree_peak_rss_gib"],
+    }
+
+
+def machine() -> dict[str, Any]:
+    return {"cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "threads": THREADS}
+
+
+# --- main ----------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per side")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
+    parser.add_argument("--skip-trl", action="store_true", help="run rollout only")
+    parser.add_argument("--skip-rollout", action="store_true", help="run TRL only")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON")
+    parser.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be at least 1 and --warmup at least 0")
+    if args.skip_trl and args.skip_rollout:
+        parser.error("--skip-trl and --skip-rollout together leave nothing to run")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.trl_worker is not None:
+        trl_worker(args.trl_worker)
+        return
+    job = build_job(args.steps, args.warmup)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    logs = {name: args.out.with_name(f"{args.out.stem}.{name}.log") for name in ("rollout", "trl")}
+    load_before = os.getloadavg()
+    sides = []
+    with tempfile.TemporaryDirectory(prefix="grpo-vs-trl-") as workdir:
+        if not args.skip_rollout:
+            sides.append(run_rollout(job, Path(workdir), logs["rollout"]))
+        if not args.skip_trl:
+            sides.append(run_trl(job, Path(workdir), logs["trl"]))
+    results = {side.name: summarize(side, job.completions_per_step) for side in sides}
+    render(results)
+    report = {
+        "job": asdict(job),
+        "machine": {**machine(), "load_average_before": load_before},
+        "results": results,
+        "ratios_rollout_over_trl": ratios(results),
+    }
+    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print(f"results: {args.out}; the two sides' output: {', '.join(map(str, logs.values()))}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""`rollout run` for real: torchrun workers, SQLite, checkpoints, crashes and resumes.
+
+Each test drives the CLI in a subprocess, as a user would, on the tiny model. They take 15-40 s
+each (most of it starting Python and torch twice), so they are marked slow; CI runs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from rollout.storage import open_store
+from tests.conftest import EXAMPLES
+
+pytestmark = pytest.mark.slow
+
+LEARNABLE_REWARD = '''
+def sevens(prompts, completions, **_):
+    """The share of the completion's characters that are '7': a tiny model can learn that."""
+    return [c.count("7") / max(1, len(c)) for c in completions]
+'''
+
+BROKEN_REWARD = """
+def flaky(prompts, completions, **_):
+    return [float("nan") if i == 2 else 0.0 for i, _ in enumerate(completions)]
+"""
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    shutil.copytree(EXAMPLES, tmp_path / "examples")
+    (tmp_path / "examples" / "sevens.py").write_text(LEARNABLE_REWARD)
+    (tmp_path / "examples" / "flaky.py").write_text(BROKEN_REWARD)
+    return tmp_path
+
+
+def environment(workdir: Path) -> dict[str, str]:
+    return {**os.environ, "ROLLOUT_CACHE": str(workdir / "cache"), "COLUMNS": "200"}
+
+
+def rollout(workdir: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rollout", *args],
+        cwd=workdir,
+        env=environment(workdir),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def only_run(workdir: Path):
+    store = open_store(f"sqlite:{workdir / 'runs' / 'rollout.db'}", create=False)
+    (record,) = store.list_runs()
+    return store, record
+
+
+def test_grpo_tiny_runs_end_to_end(workdir):
+    result = rollout(
+        workdir,
+        "run",
+        "--config",
+        "examples/grpo-tiny.toml",
+        "--set",
+        "algorithm.max_steps=3",
+        "--set",
+        "checkpoint.interval=2",
+        "--set",
+        "data.eval.limit=8",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    store, record = only_run(workdir)
+    assert record.status == "finished" and record.last_step == 3
+    steps = sorted({m.step for m in store.metrics(record.run_id, ["reward/mean"])})
+    assert steps == [1, 2, 3]
+    assert [c.step for c in store.checkpoints(record.run_id)] == [2, 3]
+
+    # The policy's weights changed: the last checkpoint differs from the model it started from.
+    start = load_file(
+        next((workdir / "cache" / "models").glob("tiny-llama-*")) / "model.safetensors"
+    )
+    final = load_file(
+        Path(store.checkpoints(record.run_id)[-1].location) / "model" / "model.safetensors"
+    )
+    changed = [name for name in start if not (start[name] == final[name]).all()]
+    assert len(changed) > len(start) // 2
+
+    logs = rollout(workdir, "logs", "tail", record.run_id)
+    assert logs.returncode == 0, logs.stderr
+    assert "training grpo for steps 1..3" in logs.stdout
+    shown = rollout(workdir, "runs", "show", record.run_id)
+    assert shown.returncode == 0 and "finished" in shown.stdout
+
+
+def test_reward_rises_on_a_learnable_task(workdir):
+    result = rollout(
+        workdir,
+        "run",
+        "--config",
+        "examples/grpo-tiny.toml",
+        "--set",
+        "rewards=[{ fn = './sevens.py:sevens' }]",
+        "--set",
+        "data.eval=null",
+        "--set",
+        "data.use_chat_template=false",
+        "--set",
+        "algorithm.lr=3e-3",
+        "--set",
+        "algorithm.max_steps=25",
+        "--set",
+        "algorithm.rollout_batch_size=32",
+        "--set",
+        "algorithm.num_generations=8",
+        "--set",
+        "algorithm.minibatch_size=32",
+        "--set",
+        "generation.max_new_tokens=8",
+        "--set",
+        "checkpoint.interval=100",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    store, record = only_run(workdir)
+    rewards = [m.value for m in store.metrics(record.run_id, ["reward/mean"])]
+    assert len(rewards) == 25
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.1, rewards
+
+
+def test_a_failing_reward_fails_the_run_with_its_name_and_sample(workdir):
+    result = rollout(
+        workdir,
+        "run",
+        "--config",
+        "examples/grpo-tiny.toml",
+        "--set",
+        "rewards=[{ fn = './flaky.py:flaky' }]",
+        "--set",
+        "data.eval=null",
+    )
+    assert result.returncode == 1
+    assert "flaky" in result.stderr and "sample 2" in result.stderr
+    _, record = only_run(workdir)
+    assert record.status == "failed"
+    assert "flaky" in record.error and "nan" in record.error.lower()
+
+
+def test_killed_run_resumes_without_repeating_or_skipping_prompts(workdir):
+    plan = workdir / "plan.lock"
+    planned = rollout(
+        workdir,
+        "plan",
+        "--config",
+        "examples/grpo-tiny.toml",
+        "-o",
+        str(plan),
+        "--set",
+        "algorithm.max_steps=8",
+        "--set",
+        "checkpoint.interval=2",
+        "--set",
+        "data.eval=null",
+        "--set",
+        "logging.level='debug'",
+    )
+    assert planned.returncode == 0, planned.stderr
+    host = subprocess.Popen(
+        [sys.executable, "-m", "rollout", "run", "--plan", str(plan)],
+        cwd=workdir,
+        env=environment(workdir),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    _wait_for_checkpoint(workdir, step=4, process=host)
+    _kill_everything_running(str(workdir))  # SIGKILL: no handler runs, as in a crash
+    host.wait(timeout=30)
+
+    resumed = rollout(workdir, "run", "--plan", str(plan))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    store, record = only_run(workdir)
+    assert record.status == "finished" and record.last_step == 8
+    # The prompts of each step, as last logged (a step redone after the kill logs twice).
+    used: dict[int, list[str]] = {}
+    for line in store.logs(record.run_id, level="debug", limit=10_000):
+        if line.message.startswith("step ") and " prompts " in line.message:
+            step, _, prompts = line.message.removeprefix("step ").partition(" prompts ")
+            used[int(step)] = prompts.split(",")
+    assert sorted(used) == list(range(1, 9))
+    every = [prompt for step in sorted(used) for prompt in used[step]]
+    assert len(every) == len(set(every)) == 16  # 8 steps x 2 prompts, none twice, none skipped
+
+
+def _wait_for_checkpoint(workdir: Path, *, step: int, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "the run ended before it could be killed"
+        if list((workdir / "runs").glob(f"*/checkpoints/step-{step:06d}/COMPLETE")):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no checkpoint at step {step} within 240 s")
+
+
+def _kill_everything_running(marker: str) -> None:
+    """SIGKILL every process whose command line mentions ``marker`` (host, torchrun, workers)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if marker in command:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
