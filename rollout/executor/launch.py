@@ -98,15 +98,17 @@ def _check_runnable(plan: Plan) -> None:
 def _supervise(
     plan: Plan, plan_copy: Path, store: RunStore, progress: Progress
 ) -> tuple[str, str | None]:
-    process = subprocess.Popen(
-        _torchrun_command(plan, plan_copy),
-        start_new_session=True,  # its own process group: one signal reaches every worker
-        env={
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
-            "OMP_NUM_THREADS": str(plan.derived.threads_per_process),
-        },
-    )
+    # Workers' and torchrun's own output goes to a file in the run directory: the terminal shows
+    # the progress bar, the run store has the logs, and a failure's traceback is reported below.
+    output = Path(plan.derived.run_dir) / "torchrun.log"
+    with output.open("ab") as log_file:
+        process = subprocess.Popen(
+            _torchrun_command(plan, plan_copy),
+            start_new_session=True,  # its own process group: one signal reaches every worker
+            env=_worker_environment(plan),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
     stop_reason: list[str] = []
     previous = _forward_signals(lambda name: stop_reason.append(name))
     try:
@@ -123,7 +125,7 @@ def _supervise(
             _stop_group(process)
     if process.returncode == 0:
         return "finished", None
-    return "failed", _first_failure(Path(plan.derived.run_dir), process.returncode)
+    return "failed", _first_failure(Path(plan.derived.run_dir), process.returncode, output)
 
 
 def _worker_environment(plan: Plan) -> dict[str, str]:
@@ -201,11 +203,14 @@ def _clear_old_errors(run_dir: Path) -> None:
         shutil.rmtree(errors)
 
 
-def _first_failure(run_dir: Path, returncode: int) -> str:
+def _first_failure(run_dir: Path, returncode: int, output: Path) -> str:
     files = sorted((run_dir / "errors").glob("rank-*.txt"), key=lambda p: p.stat().st_mtime)
     if files:
         return f"{files[0].stem}: " + files[0].read_text(encoding="utf-8")
-    return f"torchrun exited with code {returncode} before any worker reported an error"
+    return (
+        f"torchrun exited with code {returncode} before any worker reported an error; "
+        f"its output is in {output}"
+    )
 
 
 def _lock_sha256(path: Path) -> str:

@@ -305,6 +305,18 @@ def _learner_split_issues(config: RunConfig, graph: Graph) -> list[Issue]:
                 hint=f"use a multiple of {learners}, or change cluster.nproc_per_node",
             )
         ]
+    actors = next((len(r.ranks) for r in graph.roles if r.role == "actor"), 0)
+    if actors and (algo.rollout_batch_size // algo.num_generations) % actors:
+        prompts = algo.rollout_batch_size // algo.num_generations
+        return [
+            Issue(
+                "algorithm.rollout_batch_size",
+                f"{prompts} prompts per step cannot be shared evenly by {actors} actor processes",
+                value=algo.rollout_batch_size,
+                hint=f"use a rollout batch of {actors * algo.num_generations * max(1, prompts // actors)} "
+                "or a multiple of it",
+            )
+        ]
     per_rank = minibatch // learners
     if algo.micro_batch_size is not None and per_rank % algo.micro_batch_size:
         return [

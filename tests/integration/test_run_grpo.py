@@ -212,13 +212,67 @@ def _wait_for_checkpoint(workdir: Path, *, step: int, process: subprocess.Popen)
 
 def _kill_everything_running(marker: str) -> None:
     """SIGKILL every process whose command line mentions ``marker`` (host, torchrun, workers)."""
+    for pid in _processes_mentioning(marker):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("how", ["cancel", "ctrl-c"])
+def test_a_stopped_run_is_marked_stopped_and_keeps_its_work(workdir, how):
+    host = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rollout",
+            "run",
+            "--config",
+            "examples/grpo-tiny.toml",
+            "--set",
+            "algorithm.max_steps=500",
+            "--set",
+            "data.eval=null",
+        ],
+        cwd=workdir,
+        env=environment(workdir),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    run_id = _wait_for_step(workdir, step=2, process=host)
+    if how == "cancel":
+        cancelled = rollout(workdir, "runs", "cancel", run_id)
+        assert cancelled.returncode == 0, cancelled.stderr
+    else:
+        host.send_signal(signal.SIGINT)
+    _, stderr = host.communicate(timeout=120)
+    assert host.returncode == 130, stderr
+    assert "Traceback" not in stderr and "resume with" in stderr
+    _, record = only_run(workdir)
+    assert record.status == "stopped"
+    # The workers checkpointed the step they had finished before exiting.
+    assert list((workdir / "runs" / run_id / "checkpoints").glob("step-*/COMPLETE"))
+    assert not _processes_mentioning(str(workdir)), "a worker outlived its run"
+
+
+def _wait_for_step(workdir: Path, *, step: int, process: subprocess.Popen) -> str:
+    deadline = time.monotonic() + 240
+    database = workdir / "runs" / "rollout.db"
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()
+        if database.exists():
+            store = open_store(f"sqlite:{database}", create=False)
+            runs = store.list_runs()
+            if runs and (runs[0].last_step or 0) >= step:
+                return runs[0].run_id
+        time.sleep(0.3)
+    raise AssertionError(f"the run did not reach step {step} within 240 s")
+
+
+def _processes_mentioning(marker: str) -> list[int]:
+    found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if marker in command:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(entry.name), signal.SIGKILL)
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if marker in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode():
+                    found.append(int(entry.name))
+    return found

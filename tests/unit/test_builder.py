@@ -172,3 +172,10 @@ def test_plan_records_versions_without_importing_torch(config_file, base_config)
     plan = plan_of(config_file, base_config)
     assert plan.versions.rollout
     assert plan.versions.python.count(".") == 2
+
+
+def test_prompts_must_split_over_actor_processes(config_file, base_config):
+    base_config["algorithm"].update(rollout_batch_size=12, num_generations=4, minibatch_size=6)
+    base_config["cluster"]["nproc_per_node"] = 2
+    issue = issues_of(config_file, base_config)["algorithm.rollout_batch_size"]
+    assert "3 prompts per step cannot be shared evenly by 2 actor processes" in issue.message
