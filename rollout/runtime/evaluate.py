@@ -27,7 +27,7 @@ def evaluate(
         prompts, [c.text for c in completions], [prompt_format.reward_row(row) for row in rows]
     )
     count = max(1, len(rows))
-    metrics = {"eval/reward": sum(scores.total) / count, "eval/samples": float(len(rows))}
+    metrics = {"eval/reward": sum(scores.total) / count}
     for name, values in scores.per_function.items():
         metrics[f"eval/{name}"] = sum(values) / count
     return metrics
