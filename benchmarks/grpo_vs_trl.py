@@ -6,7 +6,7 @@ numeric_match reward, no KL, one optimizer update per step. Each side runs in it
 subprocess, so both pay their own start-up and their peak RSS is measured the same way:
 
   rollout  the real CLI path: `rollout run --config COPY --set ...`; per-step times come from
-           the run store (perf/step_s, perf/generate_s, perf/train_s, perf/generated_tokens).
+           the run store (perf/step_s, perf/generate_s, perf/generated_tokens).
   TRL      GRPOTrainer in this script's hidden --trl-worker mode (trl is imported only there); a
            callback times each step, completions/mean_length gives the generated tokens.
 
@@ -44,7 +44,7 @@ CHILD_ENV = {
     "TRANSFORMERS_VERBOSITY": "error",
     "TOKENIZERS_PARALLELISM": "false",
 }
-ROLLOUT_METRICS = ("perf/step_s", "perf/generate_s", "perf/train_s", "perf/generated_tokens")
+ROLLOUT_METRICS = ("perf/step_s", "perf/generate_s", "perf/generated_tokens")
 
 
 @dataclass(frozen=True)
@@ -267,9 +267,14 @@ def trl_worker(job_path: Path) -> None:
     trainer, timer = build_trl_trainer(job, output_dir=job_path.parent / "trl-output")
     trainer.train()
     steps = sorted(timer.step_s)
+    if len(trainer.generate_s) != len(steps):
+        raise RuntimeError(
+            f"{len(trainer.generate_s)} generations for {len(steps)} steps: the timing hook "
+            "no longer matches TRL's loop (one _generate call per step)"
+        )
     series = {
         "step_s": [timer.step_s[s] for s in steps],
-        "generate_s": trainer.generate_s[: len(steps)],
+        "generate_s": trainer.generate_s,
         # TRL logs the mean completion length of the step's completions.
         "generated_tokens": [timer.mean_length[s] * job.completions_per_step for s in steps],
     }
@@ -403,7 +408,7 @@ ROWS = (
     ("seconds/step, mean", "step_s_mean", 2, True),
     ("seconds/step, median", "step_s_median", 2, False),
     ("completions/s", "completions_per_s", 3, True),
-    ("generated tokens/s", "generated_tokens_per_s", 1, False),
+    ("generated tokens/s", "generated_tokens_per_s", 1, True),
     ("generation, s/step", "generate_s_mean", 2, True),
     ("training (rest of the step), s/step", "train_s_mean", 2, True),
     ("peak RSS, largest process (GiB)", "peak_rss_gib", 2, True),
@@ -444,8 +449,14 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def machine() -> dict[str, Any]:
-    return {"cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "threads": THREADS}
+def machine(load_before: tuple[float, float, float]) -> dict[str, Any]:
+    """The machine and how busy it was: 1, 5 and 15 minute load averages before and after."""
+    return {
+        "cpu_count": os.cpu_count(),
+        "threads": THREADS,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+    }
 
 
 # --- main ----------------------------------------------------------------------------------------
@@ -486,7 +497,7 @@ def main(argv: list[str] | None = None) -> None:
     render(results)
     report = {
         "job": asdict(job),
-        "machine": {**machine(), "load_average_before": load_before},
+        "machine": machine(load_before),
         "results": results,
         "ratios_rollout_over_trl": ratios(results),
     }
