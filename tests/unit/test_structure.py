@@ -71,7 +71,8 @@ def test_algorithms_engines_harness_never_see_config_objects():
 
 def test_every_module_imports():
     for info in pkgutil.walk_packages(rollout.__path__, "rollout."):
-        importlib.import_module(info.name)
+        if not info.name.endswith("__main__"):  # running it is its job; importing it would too
+            importlib.import_module(info.name)
 
 
 def test_validate_and_plan_never_import_torch(tmp_path):

@@ -45,7 +45,7 @@ def _exact_configs():
         yield pytest.param({**config, "tie_word_embeddings": False}, id=f"{name}-untied")
 
 
-@pytest.mark.parametrize("config", _exact_configs())
+@pytest.mark.parametrize("config", list(_exact_configs()))
 def test_param_count_matches_transformers(config):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
