@@ -31,8 +31,10 @@ def run(
     ] = None,
     set_: SetOption = None,
 ) -> None:
-    """Run a plan to the end, with a progress bar. Re-running a plan resumes it from its latest
-    checkpoint. Refuses a plan edited by hand, a stale plan, or an unknown format."""
+    """Run a plan to the end with a progress bar; re-running a plan resumes it.
+
+    Refuses a plan edited by hand, a stale plan, or an unknown format.
+    """
     from rollout.cli.progress import live_progress, summary
     from rollout.executor.launch import run_plan
     from rollout.storage import open_store
