@@ -1,9 +1,15 @@
 """The embedded engine: batched sampling with a KV cache on a transformers causal LM.
 
 One chunk of up to max_batch_size completions runs at a time: left-padded prompts, one prefill
-forward, then one forward per new token that feeds only that token and reuses the cache. The
-whole chunk is sampled in one pass per step; rows that finished keep being fed padding and are
-ignored. (Continuous batching, refilling finished rows with new prompts, is for later.)
+forward (once per distinct prompt), then one decode step per new token that feeds only that token
+and reuses the cache. The whole chunk is sampled in one pass per step; rows that finished keep
+being fed padding and are ignored. (Continuous batching, refilling finished rows with new prompts,
+is for later.)
+
+Speed on CPU, where a decode step at a small batch is bound by streaming the weights: the KV cache
+is preallocated for the chunk, sampling draws one uniform number per row (sample_tokens), and
+Llama-family models (llama, mistral, qwen2) decode through LlamaDecoder, a step written out in
+plain torch on MKL-packed weights; other models run their own forward at every step.
 
 What a Completion carries, precisely (the learner depends on it):
 - token_ids are the sampled tokens; an eos token that ended the completion is included (so the
@@ -24,6 +30,7 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from rollout.engines.base import Completion, EngineStats, FinishReason, SamplingParams
 
@@ -125,12 +132,9 @@ class HfEngine:
     def _sample(self, rows: list[_Row], params: SamplingParams, generator: torch.Generator) -> None:
         """Fill in the rows' tokens, log-probs and finish reasons: one prefill, then one step per
         new token until every row has finished or max_new_tokens is reached."""
-        input_ids, attention_mask = left_pad([row.prompt for row in rows], self._pad, self._device)
-        # Left padding shifts each prompt right; positions count real tokens only, so every row
-        # sees the positions it would see alone (and that the learner's right-padded forward uses).
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self._model.config)
-        logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        logits, cache, attention_mask, position_ids = self._prefill(rows, params.max_new_tokens)
+        decode = self._decoder(cache, len(rows), params.max_new_tokens)
+        seen = attention_mask.shape[1] - params.max_new_tokens
         for step in range(params.max_new_tokens):
             token_ids, logprobs = sample_tokens(logits, params, generator)
             self._record(rows, token_ids.tolist(), logprobs.tolist(), params.stop)
@@ -139,12 +143,56 @@ class HfEngine:
                 break
             # Finished rows are fed padding: their outputs are ignored from here on.
             feed = token_ids.masked_fill(~torch.tensor(active, device=self._device), self._pad)
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], 1)
             position_ids = position_ids[:, -1:] + 1
-            logits = self._forward(feed[:, None], attention_mask, position_ids, cache)
+            seen += 1
+            logits = decode(feed, position_ids, attention_mask[:, :seen])
         for row in rows:
             if row.finish_reason is None:
                 row.finish_reason = "length"
+
+    def _prefill(
+        self, rows: list[_Row], max_new_tokens: int
+    ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor, torch.Tensor]:
+        """Run the prompts: (next-token logits [B, V], the cache, the attention mask [B, P + N] for
+        the whole chunk, the prompts' position ids [B, P]), P the padded prompt width."""
+        # Each distinct prompt is prefilled once (GRPO samples n completions of every prompt); its
+        # cache and next-token logits are then copied to all of its rows.
+        distinct, row_prompt = _distinct([row.prompt for row in rows])
+        input_ids, prompt_mask = left_pad(distinct, self._pad, self._device)
+        # Left padding shifts each prompt right; positions count real tokens only, so every row
+        # sees the positions it would see alone (and that the learner's right-padded forward uses).
+        position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        cache = preallocated_cache(self._model.config, input_ids.shape[1] + max_new_tokens)
+        logits = self._forward(input_ids, prompt_mask, position_ids, cache)
+        if len(distinct) < len(rows):
+            index = torch.tensor(row_prompt, device=self._device)
+            cache.batch_select_indices(index)
+            logits = logits[index]
+            prompt_mask = prompt_mask[index]
+            position_ids = position_ids[index]
+        # The mask for the whole chunk, made once: each step passes a longer view of it (every
+        # row attends to every token fed; a finished row's outputs are ignored anyway).
+        attention_mask = torch.cat(
+            [prompt_mask, prompt_mask.new_ones(len(rows), max_new_tokens)], 1
+        )
+        return logits, cache, attention_mask, position_ids
+
+    def _decoder(
+        self, cache: DynamicCache, batch: int, max_new_tokens: int
+    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The decode step: (token ids [B], position ids [B, 1], attention mask [B, seen]) ->
+        next-token logits [B, V], extending `cache`. A Llama-family model gets its step written
+        out here (LlamaDecoder); any other model runs its own forward."""
+        if LlamaDecoder.supports(self._model, cache):
+            pack = should_pack(self._model, max_new_tokens)
+            return LlamaDecoder(self._model, cache, batch, pack=pack)
+
+        def step(
+            token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor
+        ) -> torch.Tensor:
+            return self._forward(token_ids[:, None], mask, position_ids, cache)
+
+        return step
 
     def _forward(
         self,
@@ -219,14 +267,40 @@ def sample_tokens(
     The log-prob is under log_softmax(logits / T) before top-k/top-p truncation; temperature 0
     is greedy and reports T=1 log-probs.
     """
-    scaled = logits / (params.temperature if params.temperature > 0 else 1.0)
+    temperature = params.temperature if params.temperature > 0 else 1.0
+    scaled = logits if temperature == 1.0 else logits / temperature
+    # log_softmax(scaled)[token] is scaled[token] - logsumexp(scaled): one reduction over the
+    # vocabulary rather than a [B, V] log-prob tensor, and the exponentials are reused to sample.
+    peak = scaled.amax(-1, keepdim=True)
+    weights = (scaled - peak).exp_()  # probabilities up to a factor per row
+    log_normalizer = weights.sum(-1, keepdim=True).log_() + peak
     if params.temperature > 0:
-        truncated = truncate(scaled, top_k=params.top_k, top_p=params.top_p)
-        token_ids = torch.multinomial(truncated.softmax(-1), 1, generator=generator).squeeze(-1)
+        if 0 < params.top_k < logits.shape[-1] or params.top_p < 1.0:
+            truncated = truncate(scaled, top_k=params.top_k, top_p=params.top_p)
+            weights = (truncated - peak).exp_()  # -inf, the truncated tokens, becomes weight 0
+        token_ids = sample_proportional(weights, generator)
     else:
         token_ids = scaled.argmax(-1)
-    logprobs = scaled.log_softmax(-1).gather(-1, token_ids[:, None]).squeeze(-1)
+    logprobs = (scaled.gather(-1, token_ids[:, None]) - log_normalizer).squeeze(-1)
     return token_ids, logprobs
+
+
+def sample_proportional(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One index per row of weights [B, V] (>= 0, not all 0), drawn with probability
+    proportional to its weight; a weight of 0 is never drawn.
+
+    Inverse CDF: one uniform draw per row located in the running sum of the weights. It draws what
+    torch.multinomial draws, but multinomial spends one random number per vocabulary entry,
+    which costs more than the rest of sampling together on a 50k vocabulary.
+    """
+    cdf = weights.cumsum(-1)
+    total = cdf[:, -1:].contiguous()  # searchsorted copies a non-contiguous argument anyway
+    uniform = torch.rand(total.shape, generator=generator, device=weights.device, dtype=cdf.dtype)
+    index = torch.searchsorted(cdf, uniform * total, right=True)
+    # Rounding can put uniform * total at the total itself; the last index with a weight is
+    # where the running sum first reaches the total.
+    last = torch.searchsorted(cdf, total, right=False)
+    return torch.minimum(index, last).squeeze(-1)
 
 
 def truncate(logits: torch.Tensor, *, top_k: int, top_p: float) -> torch.Tensor:
@@ -247,6 +321,13 @@ def truncate(logits: torch.Tensor, *, top_k: int, top_p: float) -> torch.Tensor:
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
+
+
+def _distinct(prompts: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[int]]:
+    """The distinct prompts in order of first appearance, and which of them each prompt is."""
+    first: dict[tuple[int, ...], int] = {}
+    which = [first.setdefault(tuple(prompt), len(first)) for prompt in prompts]
+    return [list(prompt) for prompt in first], which
 
 
 def left_pad(
@@ -280,6 +361,252 @@ def cut_at_stop(
     while keep and not text.startswith(decode(token_ids[:keep])):
         keep -= 1
     return keep, text
+
+
+def preallocated_cache(config: Any, capacity: int) -> DynamicCache:
+    """A DynamicCache for the model's config whose full-attention layers hold up to `capacity`
+    positions in buffers allocated once (sliding-window and other layer kinds are left as is)."""
+    cache = DynamicCache(config=config)
+    cache.layers = [
+        _PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer
+        for layer in cache.layers
+    ]
+    return cache
+
+
+class _PreallocatedLayer(DynamicLayer):
+    """A DynamicLayer that writes each step's keys and values into buffers sized for the whole
+    chunk, where DynamicLayer concatenates: that copies the layer's whole cache at every step.
+    keys and values are views of the filled part, so attention sees exactly what it saw before."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._key_buffer = key_states.new_empty(
+            *key_states.shape[:2], self.capacity, key_states.shape[3]
+        )
+        self._value_buffer = value_states.new_empty(
+            *value_states.shape[:2], self.capacity, value_states.shape[3]
+        )
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, end = self.length, self.length + key_states.shape[-2]
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache full: {end} positions, room for {self.capacity}")
+        self._key_buffer[:, :, start:end] = key_states
+        self._value_buffer[:, :, start:end] = value_states
+        self.length = end
+        self.keys = self._key_buffer[:, :, :end]
+        self.values = self._value_buffer[:, :, :end]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep rows `indices` (repeats allowed): new buffers, with only the filled part copied."""
+        if not self.is_initialized:
+            return
+        keys, values = self.keys[indices], self.values[indices]
+        self._key_buffer = keys.new_empty(*keys.shape[:2], self.capacity, keys.shape[3])
+        self._value_buffer = values.new_empty(*values.shape[:2], self.capacity, values.shape[3])
+        self._key_buffer[:, :, : self.length] = keys
+        self._value_buffer[:, :, : self.length] = values
+        self.keys = self._key_buffer[:, :, : self.length]
+        self.values = self._value_buffer[:, :, : self.length]
+
+
+# --- a written-out decode step for Llama-family models ------------------------------------------
+
+PACK_MIN_NEW_TOKENS = 16
+"""Shortest generation worth packing the weights for: packing costs about as much time as ten
+decode steps of SmolLM2 at batch 8 save with it (it mostly pays for fresh memory pages)."""
+
+PACK_MAX_BYTES = 2 * 1024**3
+"""Largest model (its 2-D weights, in bytes) to pack: the packed copy lives beside the weights
+while a chunk is sampled, memory that the plan's estimate does not count."""
+
+_LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2"})
+"""model_types whose decoder layer is exactly what LlamaDecoder computes: pre-norm, q/k/v/o
+projections (biases allowed) with rotary embeddings and grouped-query attention, gated MLP."""
+
+_ATTENTION_CHILDREN = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
+_MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+
+
+class LlamaDecoder:
+    """One decode step of a Llama-family model in plain torch, over the model's own weights and
+    modules (norms, rotary embedding, activation) and the chunk's preallocated cache.
+
+    Why: at batch 8 on CPU, transformers' per-module Python, mask building and cache bookkeeping
+    cost about a fifth of a step; this is about 15 tensor ops per layer. And with pack=True the
+    linear layers use MKL's packed GEMM, packed once for the chunk's batch size: the plain sgemm
+    that nn.Linear calls re-packs the whole weight on every call, which makes a step with a few
+    rows about twice as slow as streaming the weights. The prefill still runs the model itself.
+    """
+
+    @staticmethod
+    def supports(model: Any, cache: DynamicCache) -> bool:
+        """Whether `model` is a Llama-family causal LM whose every layer has a preallocated cache
+        (full attention: no sliding window), and whose modules that the step bypasses (all but
+        the embedding, rotary embedding, norms and activations, which it calls) have no hooks
+        and no replaced forward: the step would skip them."""
+        config = model.config
+        if getattr(config, "model_type", None) not in _LLAMA_FAMILY:
+            return False
+        if getattr(config, "hidden_act", None) != "silu":
+            return False
+        if not all(type(layer) is _PreallocatedLayer for layer in cache.layers):
+            return False
+        try:
+            inner, head = model.model, model.lm_head
+            inner.embed_tokens, inner.rotary_emb, inner.norm  # noqa: B018
+            bypassed = [model, inner, head]
+            for layer in inner.layers:
+                attention, mlp = layer.self_attn, layer.mlp
+                if {name for name, _ in attention.named_children()} != _ATTENTION_CHILDREN:
+                    return False  # e.g. Qwen3's per-head norms
+                linears = [getattr(attention, name) for name in sorted(_ATTENTION_CHILDREN)]
+                linears += [getattr(mlp, name) for name in _MLP_LINEARS]
+                if any(type(linear) is not torch.nn.Linear for linear in linears):
+                    return False  # e.g. LoRA or quantized layers
+                bypassed += [layer, attention, mlp, *linears]
+        except AttributeError:
+            return False
+        if type(head) is not torch.nn.Linear or len(inner.layers) != len(cache.layers):
+            return False
+        return not any(
+            m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in bypassed
+        )
+
+    def __init__(self, model: Any, cache: DynamicCache, batch: int, *, pack: bool) -> None:
+        def linear(module: torch.nn.Linear) -> PackedLinear:
+            return PackedLinear(module, batch if pack else None)
+
+        self._model = model
+        self._cache = cache
+        self._layers = [
+            _LlamaLayer(
+                input_norm=layer.input_layernorm,
+                q=linear(layer.self_attn.q_proj),
+                k=linear(layer.self_attn.k_proj),
+                v=linear(layer.self_attn.v_proj),
+                o=linear(layer.self_attn.o_proj),
+                post_norm=layer.post_attention_layernorm,
+                gate=linear(layer.mlp.gate_proj),
+                up=linear(layer.mlp.up_proj),
+                down=linear(layer.mlp.down_proj),
+                act=layer.mlp.act_fn,
+                heads=model.config.num_attention_heads,
+                kv_heads=model.config.num_key_value_heads,
+                head_dim=layer.self_attn.head_dim,
+                scaling=layer.self_attn.scaling,
+            )
+            for layer in model.model.layers
+        ]
+        self._head = linear(model.lm_head)
+
+    def __call__(
+        self, token_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Next-token logits, float32 [B, V], after token_ids [B] at position_ids [B, 1];
+        attention_mask [B, seen] covers the cache and the new token."""
+        inner = self._model.model
+        hidden = inner.embed_tokens(token_ids)  # [B, hidden]
+        cos, sin = inner.rotary_emb(hidden, position_ids)  # [B, 1, head_dim], broadcast over heads
+        # One query per row: its mask is the same for all heads and queries, [B, 1, 1, seen].
+        mask = attention_mask.bool()[:, None, None, :]
+        for layer, cache in zip(self._layers, self._cache.layers, strict=True):
+            hidden = layer(hidden, cos, sin, mask, cache)
+        return self._head(inner.norm(hidden)).float()
+
+
+@dataclass(eq=False)
+class _LlamaLayer:
+    """One decoder layer's modules, and what its decode step computes with them."""
+
+    input_norm: torch.nn.Module
+    q: PackedLinear
+    k: PackedLinear
+    v: PackedLinear
+    o: PackedLinear
+    post_norm: torch.nn.Module
+    gate: PackedLinear
+    up: PackedLinear
+    down: PackedLinear
+    act: torch.nn.Module
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        cache: _PreallocatedLayer,
+    ) -> torch.Tensor:
+        batch = hidden.shape[0]
+        x = self.input_norm(hidden)
+        q = _rotate(self.q(x).view(batch, self.heads, self.head_dim), cos, sin)
+        k = _rotate(self.k(x).view(batch, self.kv_heads, self.head_dim), cos, sin)
+        v = self.v(x).view(batch, self.kv_heads, self.head_dim)
+        keys, values = cache.update(k[:, :, None], v[:, :, None])  # [B, kv_heads, seen, head_dim]
+        # Grouped-query attention without repeating the keys: the query heads that share a key
+        # head (heads kv * group ... kv * group + group - 1) become that head's query rows.
+        grouped = q.view(batch, self.kv_heads, self.heads // self.kv_heads, self.head_dim)
+        attention = torch.nn.functional.scaled_dot_product_attention(
+            grouped, keys, values, attn_mask=mask, scale=self.scaling
+        )
+        hidden = hidden + self.o(attention.reshape(batch, self.heads * self.head_dim))
+        x = self.post_norm(hidden)
+        return hidden + self.down(self.act(self.gate(x)) * self.up(x))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as transformers' Llama applies it: x * cos + rotate_half(x) * sin."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
+class PackedLinear:
+    """nn.Linear's forward on the module's current weight, optionally through MKL's packed GEMM
+    for a fixed number of rows (other row counts take the plain path).
+
+    The packed copy is a snapshot: it lives for one chunk, during which the weights cannot change.
+    """
+
+    def __init__(self, module: torch.nn.Linear, rows: int | None) -> None:
+        self.weight, self.bias, self.rows = module.weight, module.bias, rows
+        self.packed = (
+            None if rows is None else torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows)
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None or x.shape[0] != self.rows:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.rows)
+
+
+def should_pack(model: torch.nn.Module, max_new_tokens: int) -> bool:
+    """Whether LlamaDecoder should pack the weights for MKL's packed GEMM: float32 on the CPU
+    with torch built with MKL, a long enough generation to pay back the packing, and a packed
+    copy (as large as the weights, for the length of the chunk) of at most PACK_MAX_BYTES."""
+    weights = [p for p in model.parameters() if p.dim() == 2]
+    return (
+        max_new_tokens >= PACK_MIN_NEW_TOKENS
+        and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in weights)
+        and sum(p.numel() * p.element_size() for p in weights) <= PACK_MAX_BYTES
+        and torch.backends.mkl.is_available()
+        and hasattr(torch.ops.mkl, "_mkl_linear")
+    )
 
 
 @contextmanager

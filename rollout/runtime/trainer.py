@@ -230,6 +230,9 @@ def _checkpoint(
     ctx: WorkerContext, roles: Roles, stream, root: Path, step: int, writer: BackgroundWriter
 ) -> None:
     """Rank 0 saves (ranks hold identical weights); every rank's data cursor goes with it."""
+    # Everything recorded up to this step reaches the store before the checkpoint exists, so a
+    # crash after it loses no metric or log line of the steps it covers.
+    writer.flush()
     cursors = _gather_cursors(ctx, stream.state_dict())
     if ctx.is_main and step > 0:
         path = save_checkpoint(

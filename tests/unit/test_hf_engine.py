@@ -4,12 +4,14 @@ what a prompt gets, and finish reasons, stop strings, seeds and grouping behave 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
+from rollout.engines import hf
 from rollout.engines.base import Completion, SamplingParams
-from rollout.engines.hf import HfEngine, cut_at_stop, truncate
+from rollout.engines.hf import HfEngine, cut_at_stop, sample_proportional, truncate
 from rollout.runtime.models import apply_chat_template
 
 LOGPROB_TOLERANCE = 1e-4
@@ -118,7 +120,104 @@ def test_top_k_1_is_greedy(engine, prompts, temperature):
         assert [c.logprobs for c in sampled] == [c.logprobs for c in expected]
 
 
+def test_repeated_prompts_are_prefilled_once_and_sampled_as_alone(engine, prompts):
+    # n > 1 and a prompt listed twice both share one prefill; greedy rows must still agree.
+    alone = [engine.generate([prompt], greedy())[0] for prompt in prompts]
+    completions = engine.generate([*prompts, prompts[0]], greedy(n=2))
+    expected = [c for c in (*alone, alone[0]) for _ in range(2)]
+    for completion, reference in zip(completions, expected, strict=True):
+        assert completion.token_ids == reference.token_ids
+        assert completion.logprobs == pytest.approx(reference.logprobs, abs=1e-5)
+
+
+# --- the decode step -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def family_model(request, tiny_llama, rollout_cache):
+    """The tiny Llama and the tiny Qwen2 (biases on q, k and v): both decode with LlamaDecoder."""
+    if request.param == "llama":
+        return tiny_llama
+    from rollout.config.model import ModelSection
+    from rollout.plan.inspect_model import inspect_model
+    from rollout.runtime.models import load_model
+
+    section = ModelSection(builtin="tiny-qwen2")
+    facts = inspect_model(section, base_dir=Path.cwd())
+    return load_model(facts, section, dtype="float32", device="cpu")
+
+
+def _decode_paths(monkeypatch, path: str) -> None:
+    """Force one decode path: the model's own forward, or LlamaDecoder without or with packing."""
+    if path == "model-forward":
+        monkeypatch.setattr(hf.LlamaDecoder, "supports", staticmethod(lambda *_: False))
+    else:
+        packing = path == "packed"
+        monkeypatch.setattr(hf, "should_pack", lambda *_: packing)
+
+
+@pytest.mark.parametrize("path", ["model-forward", "written-out", "packed"])
+def test_every_decode_path_matches_the_learner(monkeypatch, family_model, prompts, path):
+    if path == "packed" and not torch.backends.mkl.is_available():
+        pytest.skip("torch without MKL: no packed GEMM")
+    engine = make_engine(family_model)
+    assert hf.LlamaDecoder.supports(
+        family_model.model, hf.preallocated_cache(family_model.model.config, 8)
+    )
+    _decode_paths(monkeypatch, path)
+    params = SamplingParams(max_new_tokens=12, temperature=0.7, n=2, seed=4)
+    completions = engine.generate(prompts, params)
+    expected = learner_logprobs(family_model.model, prompts, completions, params.temperature)
+    for completion, learner in zip(completions, expected, strict=True):
+        assert completion.logprobs == pytest.approx(learner, abs=LOGPROB_TOLERANCE)
+
+
+def test_decode_paths_sample_the_same_tokens(monkeypatch, tiny_llama, prompts):
+    def sample(path):
+        with monkeypatch.context() as patch:
+            _decode_paths(patch, path)
+            params = SamplingParams(max_new_tokens=16, temperature=1.0, n=2, seed=11)
+            return make_engine(tiny_llama).generate(prompts, params)
+
+    reference = sample("model-forward")
+    for path in ("written-out", "packed"):
+        completions = sample(path)
+        assert [c.token_ids for c in completions] == [c.token_ids for c in reference]
+        for completion, expected in zip(completions, reference, strict=True):
+            assert completion.logprobs == pytest.approx(expected.logprobs, abs=1e-5)
+
+
+def test_hooked_or_unfamiliar_models_run_their_own_forward(tiny_llama):
+    model = tiny_llama.model
+    cache = hf.preallocated_cache(model.config, 8)
+    assert hf.LlamaDecoder.supports(model, cache)
+    # A hook on a module the written-out step calls (the embedding, as gradient checkpointing
+    # adds) runs anyway; one on a module it bypasses would be skipped.
+    embedding_hook = model.model.embed_tokens.register_forward_hook(lambda *_: None)
+    mlp_hook = model.model.layers[0].mlp.register_forward_hook(lambda *_: None)
+    try:
+        assert not hf.LlamaDecoder.supports(model, cache)
+        mlp_hook.remove()
+        assert hf.LlamaDecoder.supports(model, cache)
+    finally:
+        embedding_hook.remove()
+        mlp_hook.remove()
+    # Layers without a preallocated cache (e.g. sliding-window ones) are not written out.
+    assert not hf.LlamaDecoder.supports(model, hf.DynamicCache(config=model.config))
+
+
 # --- sampling randomness ---------------------------------------------------------------------
+
+
+def test_sample_proportional_draws_by_weight_and_never_a_zero_weight():
+    generator = torch.Generator().manual_seed(0)
+    weights = torch.tensor([[0.0, 1.0, 0.0, 3.0, 0.0]]).repeat(4000, 1)
+    drawn = sample_proportional(weights, generator)
+    counts = torch.bincount(drawn, minlength=5).tolist()
+    assert counts[0] == counts[2] == counts[4] == 0
+    assert counts[3] / len(drawn) == pytest.approx(0.75, abs=0.03)
+    only = torch.tensor([[0.0, 0.0, 2.0, 0.0]]).repeat(100, 1)
+    assert sample_proportional(only, generator).tolist() == [2] * 100
 
 
 def test_seeded_sampling_is_reproducible_and_seeds_differ(engine, prompts):
