@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
+import torch
 from torch import Tensor
 
 RewardScale = Literal["group", "batch", "none"]
@@ -76,3 +77,98 @@ def _grouped(rewards: Tensor, group_size: int) -> Tensor:
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     return rewards.reshape(-1, group_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-token advantages (PPO, REINFORCE++)
+#
+# Shapes: [B, T] with each row's completion in its LAST columns (the learner's layout, see
+# rollout.runtime.batch.PaddedBatch): column T - 1 is every row's final token, and mask [B, T]
+# marks the real tokens. Values at masked positions are ignored and come back as 0.
+
+
+def kl_shaped_rewards(
+    rewards: Tensor, kl: Tensor | None, mask: Tensor, *, kl_coef: float = 0.0
+) -> Tensor:
+    """Per-token rewards: -kl_coef * kl at every token, plus the sequence's reward at its last.
+
+    rewards: [B] sequence rewards. kl: [B, T] per-token KL estimate to the reference (None or
+    kl_coef 0: no penalty). Returns [B, T], 0 where mask is 0. Classic RLHF-PPO and REINFORCE++
+    put the KL to the reference into the reward this way rather than into the loss.
+    """
+    shaped = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    if kl is not None and kl_coef:
+        shaped = shaped - kl_coef * kl.float()
+    shaped[:, -1] += rewards.float()
+    return torch.where(mask.bool(), shaped, 0.0)
+
+
+def discounted_returns(token_rewards: Tensor, mask: Tensor, *, gamma: float = 1.0) -> Tensor:
+    """G_t = sum over s >= t of gamma^(s - t) * r_s, within each row: [B, T] -> [B, T]."""
+    returns = torch.zeros_like(token_rewards, dtype=torch.float32)
+    running = torch.zeros(token_rewards.shape[0], dtype=torch.float32, device=mask.device)
+    for t in reversed(range(token_rewards.shape[1])):
+        running = token_rewards[:, t].float() + gamma * running
+        returns[:, t] = running
+    return torch.where(mask.bool(), returns, 0.0)
+
+
+def gae(
+    token_rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalized advantage estimation (Schulman et al. 2016): (advantages, returns), [B, T].
+
+    values: [B, T], V(s_t), the critic's value before token t. The episode ends after column
+    T - 1 (the value after it is 0). delta_t = r_t + gamma * V_{t+1} - V_t, and
+    A_t = delta_t + gamma * lam * A_{t+1}; the critic's targets are returns = A + V.
+    """
+    values = torch.where(mask.bool(), values.float(), 0.0)
+    advantages = torch.zeros_like(values)
+    running = torch.zeros(values.shape[0], dtype=torch.float32, device=values.device)
+    next_value = torch.zeros_like(running)
+    for t in reversed(range(values.shape[1])):
+        delta = token_rewards[:, t].float() + gamma * next_value - values[:, t]
+        running = delta + gamma * lam * running
+        advantages[:, t] = running
+        next_value = values[:, t]
+    advantages = torch.where(mask.bool(), advantages, 0.0)
+    return advantages, torch.where(mask.bool(), advantages + values, 0.0)
+
+
+def whiten(values: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """(values - mean) / std over the masked entries of the whole batch: [B, T] -> [B, T].
+
+    shift_mean=False only scales (keeps the sign of every entry). The std is the unbiased one, as
+    torch.std; with fewer than 2 entries the values are only centred.
+    """
+    selected = values[mask.bool()].float()
+    mean = selected.mean() if selected.numel() else values.new_zeros(())
+    std = selected.std() if selected.numel() > 1 else values.new_ones(())
+    centred = values - mean
+    scaled = (centred / (std + eps)) if shift_mean else (values / (std + eps))
+    return torch.where(mask.bool(), scaled, 0.0)
+
+
+def reinforce_pp_advantages(
+    rewards: Tensor,
+    kl: Tensor | None,
+    mask: Tensor,
+    *,
+    kl_coef: float,
+    gamma: float = 1.0,
+    group_size: int = 1,
+    baseline: Literal["none", "group"] = "none",
+) -> Tensor:
+    """REINFORCE++ (Hu 2025): KL-shaped token rewards, their discounted returns, whitened over
+    the whole batch (the global normalization that replaces a critic). [B, T].
+
+    baseline "group" (REINFORCE++-baseline) first subtracts the mean reward of the completion's
+    group (completions of one prompt, contiguous groups of group_size).
+    """
+    if baseline == "group":
+        grouped = _grouped(rewards, group_size)
+        rewards = (grouped - grouped.mean(dim=1, keepdim=True)).flatten()
+    elif baseline != "none":
+        raise ValueError(f"baseline must be 'none' or 'group', got {baseline!r}")
+    shaped = kl_shaped_rewards(rewards, kl, mask, kl_coef=kl_coef)
+    return whiten(discounted_returns(shaped, mask, gamma=gamma), mask)

@@ -346,3 +346,45 @@ def _choose(registry: Mapping[str, _Entry], name: str, what: str) -> _Entry:
     if name not in registry:
         raise ValueError(f"unknown {what} {name!r}; choose one of: {', '.join(registry)}")
     return registry[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# the critic (PPO)
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    *,
+    clip: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO's value loss, per token then token-mean: 0.5 * (V - R)^2, or with clip,
+    0.5 * max((V - R)^2, (V_clipped - R)^2), V_clipped = old_V + clamp(V - old_V, -clip, clip).
+
+    values: [B, T] from the critic being trained (with grad); old_values: [B, T] the critic's
+    values when the batch was scored; returns: [B, T] targets. Returns the scalar loss and
+    metrics: value_loss, value_mean, returns_mean, value_clip_fraction (the share of tokens whose
+    clipped error was the larger one).
+    """
+    error = (values - returns).square()
+    if clip is None:
+        per_token = 0.5 * error
+        clipped_share = torch.zeros_like(error)
+    else:
+        clipped = old_values + (values - old_values).clamp(-clip, clip)
+        clipped_error = (clipped - returns).square()
+        per_token = 0.5 * torch.maximum(error, clipped_error)
+        clipped_share = (clipped_error > error).float()
+    loss = masked_mean(per_token, mask)
+    stats = _token_means(
+        {
+            "value_loss": per_token.detach(),
+            "value_mean": values.detach(),
+            "returns_mean": returns,
+            "value_clip_fraction": clipped_share,
+        },
+        mask,
+    )
+    return loss, stats

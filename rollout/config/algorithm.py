@@ -152,6 +152,21 @@ class PpoConfig(OnPolicyKnobs):
     )
 
 
+class ReinforcePpConfig(OnPolicyKnobs):
+    """REINFORCE++: no critic; KL-shaped token rewards, their returns whitened over the batch."""
+
+    kind: Literal["reinforce_pp"] = Field(
+        description="REINFORCE++ (critic-free, globally normalized advantages)."
+    )
+    num_generations: int = Field(default=1, ge=1, description="Completions sampled per prompt.")
+    gamma: float = Field(default=1.0, ge=0, le=1, description="Discount of the token returns.")
+    baseline: Literal["none", "group"] = Field(
+        default="none",
+        description="'group' (REINFORCE++-baseline) subtracts the mean reward of the prompt's "
+        "completions first; needs num_generations >= 2.",
+    )
+
+
 class OfflineKnobs(OptimizerKnobs):
     """Knobs shared by algorithms that train on a fixed dataset."""
 
@@ -237,10 +252,19 @@ class RmConfig(OfflineKnobs):
 
 
 AlgorithmConfig = Annotated[
-    GrpoConfig | PpoConfig | RlooConfig | DpoConfig | IpoConfig | KtoConfig | SftConfig | RmConfig,
+    GrpoConfig
+    | PpoConfig
+    | RlooConfig
+    | ReinforcePpConfig
+    | DpoConfig
+    | IpoConfig
+    | KtoConfig
+    | SftConfig
+    | RmConfig,
     Field(discriminator="kind"),
 ]
 
-ONLINE_KINDS = ("grpo", "ppo", "rloo")
+ONLINE_KINDS = ("grpo", "ppo", "rloo", "reinforce_pp")
+OFFLINE_KINDS = ("dpo", "ipo", "kto", "sft", "rm")
 PAIRED_PREFERENCE_KINDS = ("dpo", "ipo", "rm")
 REFERENCE_KINDS = ("dpo", "ipo", "kto")

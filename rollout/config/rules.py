@@ -116,6 +116,19 @@ def batch_sizes_divide(config: RunConfig) -> Iterator[Issue]:
 
 
 @rule("algorithm")
+def group_baseline_has_a_group(config: RunConfig) -> Iterator[Issue]:
+    algo = config.algorithm
+    if algo.kind == "reinforce_pp" and algo.baseline == "group" and algo.num_generations < 2:
+        yield Issue(
+            "algorithm.baseline",
+            "the group baseline averages the other completions of a prompt, but "
+            f"num_generations is {algo.num_generations}",
+            value=algo.baseline,
+            hint='set algorithm.num_generations = 4 (or more), or baseline = "none"',
+        )
+
+
+@rule("algorithm")
 def optimizer_is_sane(config: RunConfig) -> Iterator[Issue]:
     algo = config.algorithm
     if algo.max_steps is not None and algo.warmup_steps >= algo.max_steps:
@@ -195,7 +208,13 @@ def rewards_match_algorithm(config: RunConfig) -> Iterator[Issue]:
         )
     seen: dict[str, int] = {}
     for i, spec in enumerate(config.rewards):
-        name = spec.name or spec.fn.rsplit(":", 1)[-1]
+        if (spec.fn is None) == (spec.model is None):
+            yield Issue(
+                f"rewards[{i}]",
+                "set exactly one of fn (a reward function) and model (a trained reward model)",
+                hint='e.g. fn = "numeric_match", or model = "runs/RUN_ID/checkpoints/last"',
+            )
+        name = spec.metric_name
         if name in seen:
             yield Issue(
                 f"rewards[{i}].name",

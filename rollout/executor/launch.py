@@ -28,7 +28,7 @@ from rollout.storage.base import RunRecord, RunStore
 
 GRACE_SECONDS = 30.0
 POLL_SECONDS = 0.5
-RUNNABLE_KINDS = ("grpo", "rloo")
+RUNNABLE_KINDS = ("grpo", "rloo", "reinforce_pp", "ppo", "dpo", "ipo", "kto", "sft", "rm")
 
 
 @dataclass
@@ -82,7 +82,7 @@ def _check_runnable(plan: Plan) -> None:
                 f"this version of rollout executes {', '.join(RUNNABLE_KINDS)}; {kind} plans "
                 "validate and plan but do not run yet",
                 value=kind,
-                hint='use kind = "grpo" or "rloo"',
+                hint=f"use one of: {', '.join(RUNNABLE_KINDS)}",
             )
         )
     if plan.graph.nnodes > 1 or any(e.transport != "in_process" for e in plan.graph.edges):

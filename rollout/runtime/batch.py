@@ -29,6 +29,13 @@ class RolloutBatch:
     policy_version: int
     texts: list[str] = field(default_factory=list)
     """[B]: decoded completions (for logs and rewards; the learner trains on the ids)."""
+    token_advantages: list[list[float]] | None = None
+    """[B][completion_len_i]: per-token advantages (PPO, REINFORCE++); when set, the learner
+    uses them instead of ``advantages``."""
+    old_values: list[list[float]] | None = None
+    """[B][completion_len_i]: the critic's values when the batch was scored (PPO)."""
+    returns: list[list[float]] | None = None
+    """[B][completion_len_i]: the critic's targets (PPO)."""
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -48,7 +55,14 @@ class RolloutBatch:
             group_size=self.group_size,
             policy_version=self.policy_version,
             texts=[self.texts[i] for i in indices] if self.texts else [],
+            token_advantages=_pick(self.token_advantages, indices),
+            old_values=_pick(self.old_values, indices),
+            returns=_pick(self.returns, indices),
         )
+
+
+def _pick(rows: list[list[float]] | None, indices: list[int]) -> list[list[float]] | None:
+    return None if rows is None else [rows[i] for i in indices]
 
 
 @dataclass
@@ -70,6 +84,11 @@ class PaddedBatch:
     completion_mask: torch.Tensor
     old_logprobs: torch.Tensor
     advantages: torch.Tensor
+    """[B] one per sequence, or [B, K] per token when the batch has token advantages."""
+    old_values: torch.Tensor | None = None
+    """[B, K] (PPO)."""
+    returns: torch.Tensor | None = None
+    """[B, K] (PPO)."""
 
     @property
     def logits_to_keep(self) -> int:
@@ -93,6 +112,9 @@ def pad_for_learner(batch: RolloutBatch, pad_id: int, device: torch.device | str
             old[i, longest - len(logprobs) :] = torch.tensor(logprobs, dtype=torch.float32)
     # Positions count real tokens only, as the engine's did when it sampled with left padding.
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    advantages = batch.advantages
+    if batch.token_advantages is not None:
+        advantages = pad_left(batch.token_advantages, longest)
     return PaddedBatch(
         input_ids=input_ids.to(device),
         attention_mask=attention.to(device),
@@ -100,5 +122,29 @@ def pad_for_learner(batch: RolloutBatch, pad_id: int, device: torch.device | str
         targets=input_ids[:, length - longest :].to(device),
         completion_mask=completion.to(device),
         old_logprobs=old.to(device),
-        advantages=batch.advantages.to(device),
+        advantages=advantages.to(device),
+        old_values=_pad_optional(batch.old_values, longest, device),
+        returns=_pad_optional(batch.returns, longest, device),
     )
+
+
+def pad_left(rows: list[list[float]], width: int) -> torch.Tensor:
+    """Ragged per-token values -> [B, width] float32, each row in its last columns (0 before)."""
+    padded = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, row in enumerate(rows):
+        if row:
+            padded[i, width - len(row) :] = torch.tensor(row, dtype=torch.float32)
+    return padded
+
+
+def unpad_left(values: torch.Tensor, lengths: list[int]) -> list[list[float]]:
+    """[B, width] -> ragged rows: row i's last lengths[i] columns (the inverse of pad_left)."""
+    width = values.shape[1]
+    rows = values.detach().float().cpu().tolist()
+    return [row[width - n :] if n else [] for row, n in zip(rows, lengths, strict=True)]
+
+
+def _pad_optional(
+    rows: list[list[float]] | None, width: int, device: torch.device | str
+) -> torch.Tensor | None:
+    return None if rows is None else pad_left(rows, width).to(device)

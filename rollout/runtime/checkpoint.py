@@ -8,6 +8,8 @@
         rng.safetensors         torch CPU and CUDA generator states, numpy's MT19937 key
         rng.json                the rest of numpy's state, python `random`'s state
         trainer.json            format version, step, and the trainer's own JSON-able state
+        <extra>/                a module trained beside the policy (PPO's critic): its
+                                weights.safetensors, and its optimizer and scheduler files
         COMPLETE                written last: a directory without it is not a checkpoint
 
 A save writes everything into `<root>/.step-000010.tmp-<random>`, fsyncs it, writes COMPLETE,
@@ -30,6 +32,8 @@ import re
 import secrets
 import shutil
 import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +52,16 @@ _TENSOR = "__tensor__"
 _TUPLE = "__tuple__"
 
 
+@dataclass(frozen=True)
+class Extra:
+    """A module trained beside the policy (PPO's critic or value head), saved under a name of
+    its own; optimizer and scheduler are None when it has none of its own."""
+
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+
+
 def save_checkpoint(
     root: str | Path,
     step: int,
@@ -58,6 +72,7 @@ def save_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     trainer_state: dict[str, Any],
     keep_last: int,
+    extras: Mapping[str, Extra] | None = None,
 ) -> Path:
     """Save a complete checkpoint of `step` under `root`, then keep only the `keep_last` newest.
 
@@ -82,6 +97,8 @@ def save_checkpoint(
         _save_optimizer(staging, optimizer)
     if scheduler is not None:
         _write_json(staging / "scheduler.json", scheduler.state_dict())
+    for name, extra in (extras or {}).items():
+        _save_extra(staging / name, extra, with_optimizer=optimizer is not None)
     _save_rng(staging)
     (staging / "trainer.json").write_text(trainer_json, encoding="utf-8")
     _publish(staging, final)
@@ -101,6 +118,7 @@ def load_checkpoint(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    extras: Mapping[str, Extra] | None = None,
 ) -> dict[str, Any]:
     """Restore weights (in place, strictly), optimizer, scheduler and RNG states from a checkpoint;
     return the trainer state it was saved with. Pass None for an optimizer or scheduler that
@@ -119,6 +137,8 @@ def load_checkpoint(
         _load_optimizer(path, optimizer)
     if scheduler is not None:
         scheduler.load_state_dict(_read_json(_saved(path, "scheduler.json")))
+    for name, extra in (extras or {}).items():
+        _load_extra(path / name, extra, with_optimizer=optimizer is not None)
     _load_rng(path)
     return trainer["trainer_state"]
 
@@ -162,6 +182,27 @@ def _weight_files(model_dir: Path) -> list[str]:
     if index.is_file():  # sharded: large models
         return sorted(set(_read_json(index)["weight_map"].values()))
     return ["model.safetensors"]
+
+
+def _save_extra(directory: Path, extra: Extra, *, with_optimizer: bool) -> None:
+    directory.mkdir()
+    weights = {k: v.detach().contiguous() for k, v in extra.module.state_dict().items()}
+    save_file(weights, directory / "weights.safetensors")
+    if with_optimizer and extra.optimizer is not None:
+        _save_optimizer(directory, extra.optimizer)
+    if with_optimizer and extra.scheduler is not None:
+        _write_json(directory / "scheduler.json", extra.scheduler.state_dict())
+
+
+def _load_extra(directory: Path, extra: Extra, *, with_optimizer: bool) -> None:
+    weights = directory / "weights.safetensors"
+    if not weights.is_file():
+        raise ValueError(f"{directory.parent} holds no {directory.name}/weights.safetensors")
+    extra.module.load_state_dict(load_file(weights), strict=True)
+    if with_optimizer and extra.optimizer is not None:
+        _load_optimizer(directory, extra.optimizer)
+    if with_optimizer and extra.scheduler is not None:
+        extra.scheduler.load_state_dict(_read_json(_saved(directory, "scheduler.json")))
 
 
 # --- Optimizer -----------------------------------------------------------------------------------
@@ -252,6 +293,37 @@ def _load_rng(directory: Path) -> None:
     numpy_state["state"]["key"] = tensors["numpy.key"].numpy().astype(np.uint32)
     np.random.set_state(numpy_state)
     python = plain["python"]
+    random.setstate((python["version"], tuple(python["state"]), python["gauss_next"]))
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states as plain JSON data: for ranks other than the one that writes the
+    checkpoint (whose states go to rng.safetensors), carried in the trainer state."""
+    numpy_state = np.random.get_state(legacy=False)
+    numpy_state["state"]["key"] = numpy_state["state"]["key"].tolist()
+    version, internal, gauss_next = random.getstate()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return {
+        "torch": torch.get_rng_state().tolist(),
+        "cuda": [state.tolist() for state in cuda],
+        "numpy": numpy_state,
+        "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what rng_state() returned."""
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if torch.cuda.is_available():
+        for device, saved in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(torch.tensor(saved, dtype=torch.uint8), device)
+    numpy_state = dict(state["numpy"])
+    numpy_state["state"] = {
+        **numpy_state["state"],
+        "key": np.array(numpy_state["state"]["key"], dtype=np.uint32),
+    }
+    np.random.set_state(numpy_state)
+    python = state["python"]
     random.setstate((python["version"], tuple(python["state"]), python["gauss_next"]))
 
 

@@ -11,6 +11,7 @@ import torch
 from rollout.harness.reward_runner import RewardFunction, describe
 from rollout.harness.rewards import BUILTIN_REWARDS
 from rollout.plan.definition import Plan
+from rollout.plan.reward_model import model_directory_of
 from rollout.plugins.resolve import resolve_plugin
 from rollout.runtime.data import PromptStream, load_records
 
@@ -18,13 +19,38 @@ if TYPE_CHECKING:
     from rollout.runtime.worker import WorkerContext
 
 
-def build_optimizer(model: torch.nn.Module, algo: Any) -> torch.optim.AdamW:
+def build_optimizer(
+    model: torch.nn.Module,
+    algo: Any,
+    *,
+    lr: float | None = None,
+    extra: torch.nn.Module | None = None,
+) -> torch.optim.AdamW:
+    """AdamW over `model`'s trainable parameters (and `extra`'s: a value head trained with the
+    policy), at `lr` or the algorithm's."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if extra is not None:
+        params += [p for p in extra.parameters() if p.requires_grad]
     return torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=algo.lr,
+        params,
+        lr=algo.lr if lr is None else lr,
         betas=tuple(algo.adam_betas),
         eps=algo.adam_eps,
         weight_decay=algo.weight_decay,
+        # One kernel over all parameters: on the CPU about 6x faster than the default per-tensor
+        # loop (0.09 s against 0.6 s a step for SmolLM2-135M) and without its temporaries.
+        fused=_fusable(params),
+    )
+
+
+def _fusable(params: list[torch.Tensor]) -> bool:
+    """torch's fused AdamW takes floating-point parameters on the CPU or CUDA, all on one kind."""
+    kinds = {p.device.type for p in params}
+    return (
+        bool(params)
+        and len(kinds) == 1
+        and kinds <= {"cpu", "cuda"}
+        and all(p.is_floating_point() for p in params)
     )
 
 
@@ -55,14 +81,21 @@ def build_reward_functions(plan: Plan) -> list[RewardFunction]:
     """Resolve each reward again inside the worker; the host checked it is the planned one."""
     functions = []
     for i, spec in enumerate(plan.config.rewards):
-        resolved = resolve_plugin(
-            spec.fn,
-            base_dir=Path(plan.base_dir),
-            used_by=f"rewards[{i}].fn",
-            builtins=BUILTIN_REWARDS,
-        )
-        name = spec.name or spec.fn.rsplit(":", 1)[-1]
-        functions.append(describe(name, resolved.fn, spec.weight, spec.options, spec.timeout_s))
+        if spec.model is not None:
+            # The reward model the plan froze (its directory and weights' sha256), not whatever
+            # `spec.model` points at now.
+            from rollout.harness.model_reward import ModelReward
+
+            identity = next(p for p in plan.plugins if p.used_by == f"rewards[{i}].model")
+            fn = ModelReward(model_directory_of(identity), device=plan.graph.device)
+        else:
+            fn = resolve_plugin(
+                spec.fn,
+                base_dir=Path(plan.base_dir),
+                used_by=f"rewards[{i}].fn",
+                builtins=BUILTIN_REWARDS,
+            ).fn
+        functions.append(describe(spec.metric_name, fn, spec.weight, spec.options, spec.timeout_s))
     return functions
 
 

@@ -15,6 +15,12 @@ import torch.distributed as dist
 
 from rollout.algorithms.losses import grpo_loss, token_logprobs
 from rollout.runtime.batch import PaddedBatch, RolloutBatch, pad_for_learner
+from rollout.runtime.critic import Critic
+from rollout.runtime.shared_prefix import (
+    shared_prefix_logprobs,
+    shares_prompts,
+    supports_shared_prefix,
+)
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,7 @@ class Learner:
         pad_token_id: int,
         device: str,
         reference: torch.nn.Module | None = None,
+        critic: Critic | None = None,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -52,6 +59,7 @@ class Learner:
         self.pad_token_id = pad_token_id
         self.device = device
         self.reference = reference
+        self.critic = critic
         self.optimizer_steps = 0
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
@@ -77,27 +85,41 @@ class Learner:
         for start in range(0, len(minibatch), knobs.micro_batch_size):
             micro = minibatch.select(list(range(start, start + knobs.micro_batch_size)))
             padded = pad_for_learner(micro, self.pad_token_id, self.device)
-            loss, stats = self._loss(padded, total_tokens, len(minibatch))
+            loss, stats = self._loss(micro, padded, total_tokens, len(minibatch))
+            if self.critic is not None:
+                share = micro.num_completion_tokens / total_tokens
+                critic_loss, critic_stats = self.critic.loss(padded, share)
+                stats = {**stats, **critic_stats}
+                if self.critic.shares_policy:  # value head: one backward trains both
+                    loss = loss + critic_loss
+                else:
+                    critic_loss.backward()
             loss.backward()
             for name, value in stats.items():
                 metrics[name] += value / micro_count
-        self._average_gradients()
+        self._average_gradients(self._trained_parameters())
         metrics["grad_norm"] = self._clip()
+        if self.critic is not None and not self.critic.shares_policy:
+            self._average_gradients(list(self.critic.model.parameters()))
+            metrics["critic_grad_norm"] = self.critic.step()
         self.optimizer.step()
+        # Gradients are dead weight until the next backward: freed now, the generation that
+        # comes next runs without them (for a 135M-parameter model, 0.5 GB less at its peak).
+        self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.optimizer_steps += 1
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         return metrics
 
     def _loss(
-        self, padded: PaddedBatch, total_tokens: float, minibatch_size: int
+        self, micro: RolloutBatch, padded: PaddedBatch, total_tokens: float, minibatch_size: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
         knobs = self.knobs
-        logprobs = self._completion_logprobs(self.model, padded)
+        logprobs = self.completion_logprobs(self.model, micro, padded)
         ref_logprobs = None
         if self.reference is not None and knobs.kl_coef > 0:
             with torch.no_grad():
-                ref_logprobs = self._completion_logprobs(self.reference, padded)
+                ref_logprobs = self.completion_logprobs(self.reference, micro, padded)
         mode, scale = _accumulating(knobs.loss_aggregation, len(padded.advantages), minibatch_size)
         loss, stats = grpo_loss(
             logprobs,
@@ -116,8 +138,19 @@ class Learner:
         )
         return loss * scale, stats
 
-    def _completion_logprobs(self, model: torch.nn.Module, padded: PaddedBatch) -> torch.Tensor:
-        """[B, K] log-probs of the completion tokens; vocabulary logits only where needed."""
+    def completion_logprobs(
+        self, model: torch.nn.Module, micro: RolloutBatch, padded: PaddedBatch
+    ) -> torch.Tensor:
+        """[B, K] log-probs of the completion tokens; vocabulary logits only where needed, and
+        a prompt shared by several completions run once (rollout.runtime.shared_prefix)."""
+        if shares_prompts(micro) and supports_shared_prefix(model):
+            return shared_prefix_logprobs(
+                model,
+                micro,
+                pad_token_id=self.pad_token_id,
+                device=self.device,
+                temperature=self.knobs.temperature,
+            )
         logits = model(
             input_ids=padded.input_ids,
             attention_mask=padded.attention_mask,
@@ -137,17 +170,21 @@ class Learner:
             tokens = count.item() / dist.get_world_size()
         return max(1.0, tokens)
 
-    def _average_gradients(self) -> None:
+    def _trained_parameters(self) -> list[torch.Tensor]:
+        """What the optimizer steps: the policy's parameters, and a value head's with them."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _average_gradients(self, params: list[torch.Tensor]) -> None:
         if not _distributed():
             return
         world = dist.get_world_size()
-        for param in self.model.parameters():
+        for param in params:
             if param.grad is not None:
                 dist.all_reduce(param.grad)
                 param.grad /= world
 
     def _clip(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = [p for p in self._trained_parameters() if p.grad is not None]
         limit = self.knobs.max_grad_norm
         norm = torch.nn.utils.clip_grad_norm_(params, limit if limit is not None else float("inf"))
         return float(norm)

@@ -1,4 +1,5 @@
-"""The online RL loop (GRPO, RLOO): generate, score, update, sync, record, checkpoint.
+"""The online RL loop (GRPO, RLOO, REINFORCE++, PPO): generate, score, update, sync, record,
+checkpoint.
 
 It reads top to bottom: build the roles from the plan, resume from the latest complete
 checkpoint, then one iteration per step. Algorithm maths lives in rollout/algorithms; this file
@@ -10,7 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -24,16 +25,25 @@ from rollout.engines.hf import HfEngine
 from rollout.harness.reward_runner import RewardRunner
 from rollout.plan.builder import derive_seed
 from rollout.runtime.actor import Actor, PromptFormat
-from rollout.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rollout.runtime.checkpoint import (
+    Extra,
+    latest_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from rollout.runtime.components import (
     build_optimizer,
     build_reward_functions,
     build_scheduler,
     load_data,
 )
+from rollout.runtime.critic import Critic, value_model_for
 from rollout.runtime.evaluate import evaluate
 from rollout.runtime.learner import Learner, LearnerKnobs
 from rollout.runtime.models import apply_chat_template, load_model
+from rollout.runtime.shaping import TokenAdvantages
 from rollout.runtime.transport import all_gather_json
 from rollout.runtime.worker import WorkerContext
 from rollout.storage.writer import BackgroundWriter
@@ -48,6 +58,17 @@ class Roles:
     engine: HfEngine
     tokenizer: object
     prompt_format: PromptFormat
+    token_advantages: TokenAdvantages | None = None
+    """PPO and REINFORCE++: scores the actor's batch per token before the learner sees it."""
+
+    def extras(self) -> dict[str, Extra]:
+        """What a checkpoint saves beside the policy: the critic, or the value head."""
+        critic = self.learner.critic
+        if critic is None:
+            return {}
+        if critic.shares_policy:
+            return {"value_head": Extra(critic.model.head)}
+        return {"critic": Extra(critic.model, critic.optimizer, critic.scheduler)}
 
 
 def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
@@ -62,14 +83,20 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
     start = 0
     latest = latest_checkpoint(checkpoints)
     if latest is not None:
+        # Saved without optimizer state (checkpoint.save_optimizer = false): fresh ones.
+        with_optimizer = config.checkpoint.save_optimizer
         state = load_checkpoint(
             latest,
             model=roles.learner.model,
-            optimizer=roles.learner.optimizer,
-            scheduler=roles.learner.scheduler,
+            optimizer=roles.learner.optimizer if with_optimizer else None,
+            scheduler=roles.learner.scheduler if with_optimizer else None,
+            extras=roles.extras(),
         )
         start = state["step"]
         stream.load_state_dict(state["cursor"][str(ctx.rank)])
+        # The checkpoint's RNG files are rank 0's; every other rank's travel in the trainer state.
+        if str(ctx.rank) in state.get("rng", {}):
+            set_rng_state(state["rng"][str(ctx.rank)])
         roles.engine.load_weights(None, version=state["policy_version"])
         log.info("resumed from %s at step %d", latest, start)
     elif eval_rows:
@@ -95,7 +122,11 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
         rollout = roles.actor.rollout([r.record for r in rows], seed=seed)
         learn_started = time.perf_counter()
         metrics = dict(rollout.metrics)
-        metrics.update({f"train/{k}": v for k, v in roles.learner.update(rollout.batch).items()})
+        batch = rollout.batch
+        if roles.token_advantages is not None:
+            batch, shaping_metrics = roles.token_advantages(batch)
+            metrics.update(shaping_metrics)
+        metrics.update({f"train/{k}": v for k, v in roles.learner.update(batch).items()})
         roles.engine.load_weights(None, version=step)  # colocated: the engine shares the module
         elapsed = time.perf_counter() - started
         metrics["perf/train_s"] = time.perf_counter() - learn_started
@@ -159,12 +190,11 @@ def _build_roles(ctx: WorkerContext) -> Roles:
         prompt_field=fields["prompt"],
         role_fields={role: field for role, field in fields.items() if field},
     )
-    knobs = {"scale": algo.scale_rewards} if algo.kind == "grpo" else {}
     actor = Actor(
         engine,
         prompt_format,
         RewardRunner(build_reward_functions(plan)),
-        partial(ADVANTAGE_ESTIMATORS[algo.kind], **knobs),
+        _sequence_advantages(algo),
         SamplingParams(
             max_new_tokens=gen.max_new_tokens,
             temperature=gen.temperature,
@@ -179,20 +209,26 @@ def _build_roles(ctx: WorkerContext) -> Roles:
         # The reference is the policy as it starts: copied before any checkpoint is loaded.
         reference = copy.deepcopy(model).eval()
         reference.requires_grad_(False)
-    optimizer = build_optimizer(model, algo)
+    # PPO's classic KL penalty, and REINFORCE++'s, is part of the token rewards, not the loss.
+    kl_in_reward = algo.kind == "reinforce_pp" or (
+        algo.kind == "ppo" and algo.kl_penalty == "reward"
+    )
+    optimizer_steps = plan.derived.total_steps * plan.derived.optimizer_steps_per_step
+    critic = _build_critic(model, algo, optimizer_steps) if algo.kind == "ppo" else None
+    optimizer = build_optimizer(
+        model, algo, extra=critic.model.head if critic and critic.shares_policy else None
+    )
     learner = Learner(
         model,
         optimizer,
-        build_scheduler(
-            optimizer, algo, plan.derived.total_steps * plan.derived.optimizer_steps_per_step
-        ),
+        build_scheduler(optimizer, algo, optimizer_steps),
         LearnerKnobs(
             minibatch_size=plan.derived.minibatch_size // ctx.world_size,
             micro_batch_size=plan.derived.micro_batch_size,
             update_epochs=algo.update_epochs,
             clip_ratio_low=algo.clip_ratio_low,
             clip_ratio_high=algo.clip_ratio_high,
-            kl_coef=algo.kl_coef,
+            kl_coef=0.0 if kl_in_reward else algo.kl_coef,
             kl_estimator=algo.kl_estimator,
             loss_aggregation=algo.loss_aggregation,
             max_grad_norm=algo.max_grad_norm,
@@ -201,14 +237,58 @@ def _build_roles(ctx: WorkerContext) -> Roles:
         ),
         pad_token_id=loaded.pad_token_id,
         device=ctx.device,
-        reference=reference,
+        reference=None if kl_in_reward else reference,
+        critic=critic,
     )
+    token_advantages = None
+    if algo.kind in ("ppo", "reinforce_pp"):
+        token_advantages = TokenAdvantages(
+            kind=algo.kind,
+            logprobs=learner.completion_logprobs,
+            pad_token_id=loaded.pad_token_id,
+            device=ctx.device,
+            reference=reference if kl_in_reward else None,
+            kl_coef=algo.kl_coef,
+            kl_in_reward=kl_in_reward,
+            gamma=algo.gamma,
+            lam=getattr(algo, "lam", 1.0),
+            critic=critic,
+            whiten_advantages=getattr(algo, "whiten_advantages", True),
+            baseline=getattr(algo, "baseline", "none"),
+        )
     return Roles(
         actor=actor,
         learner=learner,
         engine=engine,
         tokenizer=loaded.tokenizer,
         prompt_format=prompt_format,
+        token_advantages=token_advantages,
+    )
+
+
+def _sequence_advantages(algo) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """The actor's advantage per completion. PPO and REINFORCE++ compute theirs per token
+    afterwards (TokenAdvantages), so the actor's are zeros they replace."""
+    if algo.kind in ADVANTAGE_ESTIMATORS:
+        knobs = {"scale": algo.scale_rewards} if algo.kind == "grpo" else {}
+        return partial(ADVANTAGE_ESTIMATORS[algo.kind], **knobs)
+    return lambda rewards, _group_size: torch.zeros_like(rewards)
+
+
+def _build_critic(model: torch.nn.Module, algo, optimizer_steps: int) -> Critic:
+    separate = algo.critic == "separate"
+    value_model = value_model_for(model, separate=separate)
+    optimizer = scheduler = None
+    if separate:
+        optimizer = build_optimizer(value_model, algo, lr=algo.critic_lr)
+        scheduler = build_scheduler(optimizer, algo, optimizer_steps)
+    return Critic(
+        model=value_model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        vf_coef=algo.vf_coef,
+        value_clip=algo.value_clip,
+        max_grad_norm=algo.max_grad_norm,
     )
 
 
@@ -234,25 +314,37 @@ def _checkpoint(
     # crash after it loses no metric or log line of the steps it covers.
     writer.flush()
     cursors = _gather_cursors(ctx, stream.state_dict())
+    rng = _gather_rng(ctx)
     if ctx.is_main and step > 0:
+        with_optimizer = ctx.plan.config.checkpoint.save_optimizer
         path = save_checkpoint(
             root,
             step,
             model=roles.learner.model,
             tokenizer=roles.tokenizer,
-            optimizer=roles.learner.optimizer,
-            scheduler=roles.learner.scheduler,
+            optimizer=roles.learner.optimizer if with_optimizer else None,
+            scheduler=roles.learner.scheduler if with_optimizer else None,
             trainer_state={
                 "step": step,
                 "cursor": cursors,
+                "rng": rng,
                 "policy_version": roles.engine.policy_version,
             },
             keep_last=ctx.plan.config.checkpoint.keep_last,
+            extras=roles.extras(),
         )
         writer.write_checkpoint(ctx.plan.run_id, step, str(path))
         log.info("checkpoint %s", path)
     if ctx.world_size > 1:
         dist.barrier()
+
+
+def _gather_rng(ctx: WorkerContext) -> dict[str, dict]:
+    """Every rank's RNG states but rank 0's (the checkpoint's own RNG files hold those)."""
+    if ctx.world_size == 1:
+        return {}
+    states = all_gather_json(rng_state())
+    return {str(rank): state for rank, state in enumerate(states) if rank > 0}
 
 
 def _gather_cursors(ctx: WorkerContext, cursor: dict) -> dict[str, dict]:

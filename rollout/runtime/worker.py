@@ -20,6 +20,7 @@ from pathlib import Path
 from threading import Event
 from typing import TYPE_CHECKING
 
+from rollout.config.algorithm import OFFLINE_KINDS
 from rollout.plan.definition import Plan
 
 if TYPE_CHECKING:
@@ -78,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     _configure_logging(StoreLogHandler(writer, plan.run_id, context.rank, role), plan)
     try:
         _setup_torch(context)
-        from rollout.runtime.trainer import train
+        if plan.config.algorithm.kind in OFFLINE_KINDS:
+            from rollout.runtime.offline import train
+        else:
+            from rollout.runtime.trainer import train
 
         train(context, writer)
         return 0

@@ -276,3 +276,35 @@ def _processes_mentioning(marker: str) -> list[int]:
                 if marker in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode():
                     found.append(int(entry.name))
     return found
+
+
+def test_two_data_parallel_ranks_train_and_checkpoint_both(workdir):
+    """Two torchrun workers (gloo): each samples its share of the prompts, gradients are
+    averaged, and the checkpoint carries both ranks' data cursors and rank 1's RNG states."""
+    import json
+
+    result = rollout(
+        workdir,
+        "run",
+        "--config",
+        "examples/grpo-tiny.toml",
+        "--set",
+        "cluster.nproc_per_node=2",
+        "--set",
+        "algorithm.max_steps=2",
+        "--set",
+        "data.eval=null",
+        "--set",
+        "run.eval_interval=null",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    _, record = only_run(workdir)
+    assert record.status == "finished"
+    (checkpoint,) = (workdir / "runs").glob("*/checkpoints/step-000002")
+    state = json.loads((checkpoint / "trainer.json").read_text())["trainer_state"]
+    assert set(state["cursor"]) == {"0", "1"}
+    assert set(state["rng"]) == {"1"} and len(state["rng"]["1"]["torch"]) > 0
+    # one shared shuffled order, dealt out by rank: both ranks stand at the same place in it
+    assert state["cursor"]["0"]["position"] == state["cursor"]["1"]["position"] > 0
+    rank1 = rollout(workdir, "logs", "tail", record.run_id, "--rank", "1")
+    assert rank1.returncode == 0 and rank1.stdout.strip(), rank1.stdout + rank1.stderr

@@ -281,3 +281,62 @@ def test_weights_of_another_architecture_are_refused(tmp_path: Path, tokenizer):
     other.model.layers = other.model.layers[:1]
     with pytest.raises(ValueError, match=r"unexpected \['model\.layers\.1\."):
         load_checkpoint(path, model=other, optimizer=None, scheduler=None)
+
+
+def test_a_critic_saved_beside_the_policy_round_trips(tmp_path: Path, tokenizer):
+    from rollout.runtime.checkpoint import Extra
+    from rollout.runtime.critic import value_model_for
+
+    policy = tiny_model(0)
+    critic = value_model_for(policy, separate=True)
+    torch.nn.init.normal_(critic.head.weight)
+    optimizer = torch.optim.AdamW(critic.parameters(), lr=1e-2)
+    critic.head(torch.ones(1, 32)).sum().backward()
+    optimizer.step()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    path = save_checkpoint(
+        tmp_path,
+        1,
+        model=policy,
+        tokenizer=tokenizer,
+        optimizer=None,
+        scheduler=None,
+        trainer_state={},
+        keep_last=1,
+        extras={"critic": Extra(critic, optimizer, scheduler)},
+    )
+    fresh = value_model_for(tiny_model(1), separate=True)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    load_checkpoint(
+        path,
+        model=tiny_model(1),
+        optimizer=None,
+        scheduler=None,
+        extras={"critic": Extra(fresh, fresh_optimizer)},
+    )
+    for (name, saved), loaded in zip(
+        critic.state_dict().items(), fresh.state_dict().values(), strict=True
+    ):
+        assert torch.equal(saved, loaded), name
+    # saved without optimizer state (optimizer=None): the critic's optimizer stays fresh too
+    assert not fresh_optimizer.state
+
+
+def test_rng_state_as_json_round_trips():
+    import json
+
+    from rollout.runtime.checkpoint import rng_state, set_rng_state
+
+    torch.manual_seed(3)
+    np.random.seed(3)
+    random.seed(3)
+    saved = json.loads(json.dumps(rng_state()))  # what travels in the trainer state
+    expected = (torch.rand(3), np.random.rand(3), random.random())
+    torch.manual_seed(99)
+    np.random.seed(99)
+    random.seed(99)
+    set_rng_state(saved)
+    drawn = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(drawn[0], expected[0])
+    assert np.array_equal(drawn[1], expected[1])
+    assert drawn[2] == expected[2]

@@ -183,7 +183,7 @@ def test_stubs_name_the_algorithm_union_and_the_reward_protocol(stub_module):
         for node in stub_module.body
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
     }
-    kinds = ["Grpo", "Ppo", "Rloo", "Dpo", "Ipo", "Kto", "Sft", "Rm"]
+    kinds = ["Grpo", "Ppo", "Rloo", "ReinforcePp", "Dpo", "Ipo", "Kto", "Sft", "Rm"]
     assert aliases["AlgorithmConfig"] == " | ".join(f"{kind}Config" for kind in kinds)
     assert fields(classes(stub_module)[ROOT_NAME])["algorithm"] == "AlgorithmConfig"
     protocol = classes(stub_module)["RewardFn"]
