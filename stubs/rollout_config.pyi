@@ -32,7 +32,7 @@ class RunConfig(TypedDict):
     logging: NotRequired[LoggingSection]
     """Metric trackers and log level."""
 
-AlgorithmConfig: TypeAlias = GrpoConfig | PpoConfig | RlooConfig | DpoConfig | IpoConfig | KtoConfig | SftConfig | RmConfig
+AlgorithmConfig: TypeAlias = GrpoConfig | PpoConfig | RlooConfig | ReinforcePpConfig | DpoConfig | IpoConfig | KtoConfig | SftConfig | RmConfig
 """The training objective; `kind` selects grpo, ppo, rloo, dpo, ipo, kto, sft or rm."""
 
 class CheckpointSection(TypedDict):
@@ -654,13 +654,116 @@ class PpoConfig(TypedDict):
 
     Default: 'reward'."""
 
+class ReinforcePpConfig(TypedDict):
+    """REINFORCE++: no critic; KL-shaped token rewards, their returns whitened over the batch."""
+    lr: NotRequired[float]
+    """Peak learning rate (AdamW).
+
+    Range: > 0, ≤ 1.0. Default: 1e-06."""
+    lr_schedule: NotRequired[Literal["constant", "linear", "cosine"]]
+    """Learning-rate schedule after warmup: constant, linear decay to 0, or cosine.
+
+    Default: 'constant'."""
+    warmup_steps: NotRequired[int]
+    """Optimizer steps of linear warmup from 0 to lr.
+
+    Range: ≥ 0. Default: 0."""
+    weight_decay: NotRequired[float]
+    """AdamW decoupled weight decay.
+
+    Range: ≥ 0. Default: 0.0."""
+    adam_betas: NotRequired[tuple[float, float]]
+    """AdamW (beta1, beta2), each in [0, 1).
+
+    Default: [0.9, 0.999]."""
+    adam_eps: NotRequired[float]
+    """AdamW epsilon.
+
+    Range: > 0. Default: 1e-08."""
+    max_grad_norm: NotRequired[float | None]
+    """Clip the global gradient norm to this. None: no clipping.
+
+    Range: > 0. Default: 1.0."""
+    micro_batch_size: NotRequired[int | None]
+    """Sequences per forward/backward pass; gradients accumulate up to the minibatch. None: the
+    whole minibatch in one pass. Lower it to save memory.
+
+    Range: ≥ 1. Default: None."""
+    max_steps: NotRequired[int]
+    """Training steps; each step generates one rollout batch.
+
+    Range: ≥ 1. Default: 100."""
+    rollout_batch_size: NotRequired[int]
+    """Completions generated per step (prompts per step x num_generations).
+
+    Range: ≥ 1. Default: 8."""
+    num_generations: NotRequired[int]
+    """Completions sampled per prompt.
+
+    Range: ≥ 1. Default: 1."""
+    minibatch_size: NotRequired[int | None]
+    """Completions per optimizer step; must divide rollout_batch_size. None: the whole rollout
+    batch (one optimizer step per update epoch).
+
+    Range: ≥ 1. Default: None."""
+    update_epochs: NotRequired[int]
+    """Passes over each rollout batch (PPO/GRPO 'mu').
+
+    Range: ≥ 1. Default: 1."""
+    clip_ratio_low: NotRequired[float]
+    """Lower clip of the importance ratio: 1 - this.
+
+    Range: > 0, < 1. Default: 0.2."""
+    clip_ratio_high: NotRequired[float]
+    """Upper clip of the importance ratio: 1 + this (DAPO 'clip-higher' uses 0.28).
+
+    Range: > 0. Default: 0.2."""
+    kl_coef: NotRequired[float]
+    """Weight of the KL penalty to the frozen reference model. 0: no reference model is loaded at
+    all.
+
+    Range: ≥ 0. Default: 0.0."""
+    kl_estimator: NotRequired[Literal["k1", "k2", "k3"]]
+    """KL estimator: k1 (log-ratio), k2 (squared log-ratio / 2) or k3 (unbiased, always
+    positive).
+
+    Default: 'k3'."""
+    loss_aggregation: NotRequired[Literal["token_mean", "sequence_mean", "batch_token_mean", "constant"]]
+    """How per-token losses become one number: token_mean (mean over the minibatch's tokens),
+    sequence_mean (mean per sequence, then over sequences), batch_token_mean (DAPO: over all
+    tokens of the rollout batch), constant (Dr. GRPO: sum / (sequences x max_new_tokens)).
+
+    Default: 'token_mean'."""
+    kind: Literal["reinforce_pp"]
+    """REINFORCE++ (critic-free, globally normalized advantages)."""
+    gamma: NotRequired[float]
+    """Discount of the token returns.
+
+    Range: ≥ 0, ≤ 1. Default: 1.0."""
+    baseline: NotRequired[Literal["none", "group"]]
+    """'group' (REINFORCE++-baseline) subtracts the mean reward of the prompt's completions
+    first; needs num_generations >= 2.
+
+    Default: 'none'."""
+
 class RewardSpec(TypedDict):
-    fn: str
+    fn: NotRequired[str | None]
     """The reward function: a built-in name ('numeric_match', 'exact_match', 'regex_match',
     'length_penalty'), 'package.module:function', './file.py:function' (relative to the config
     file), or an entry point in the 'rollout.rewards' group. It is called as fn(prompts,
     completions, **fields, **options) and returns one float per completion; it receives the
-    dataset fields it names as parameters (all of them if it takes **kwargs)."""
+    dataset fields it names as parameters (all of them if it takes **kwargs). Set exactly one
+    of fn and model.
+
+    Default: None."""
+    model: NotRequired[str | None]
+    """A reward model trained with algorithm.kind = 'rm' scores each (prompt, completion): a
+    checkpoint directory ('runs/RUN_ID/checkpoints/step-000100'), '.../checkpoints/last' for a
+    run's latest checkpoint, a run directory (its latest), or the Hugging Face directory
+    inside a checkpoint. Relative to the config file's directory. Set exactly one of fn and
+    model.
+
+    Default: None."""
     weight: NotRequired[float]
     """Weight of this reward in the weighted sum.
 

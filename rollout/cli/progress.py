@@ -10,7 +10,26 @@ from rollout.executor.launch import Progress as RunProgress
 from rollout.plan.definition import Plan
 from rollout.storage.base import RunRecord, RunStore
 
-SHOWN = ("reward/mean", "eval/reward", "perf/tokens_per_s", "perf/step_s")
+# Online runs show their reward, offline runs (DPO, SFT, reward models, ...) their loss and, where
+# they have one, held-out accuracy; whichever the run writes.
+SHOWN = (
+    "reward/mean",
+    "train/loss",
+    "eval/reward",
+    "eval/accuracy",
+    "eval/loss",
+    "perf/tokens_per_s",
+    "perf/step_s",
+)
+_LABELS = {
+    "reward/mean": "reward",
+    "train/loss": "loss",
+    "eval/reward": "eval",
+    "eval/accuracy": "eval acc",
+    "eval/loss": "eval loss",
+    "perf/tokens_per_s": "tok/s",
+    "perf/step_s": "s/step",
+}
 
 
 def live_progress(console: Console) -> tuple[RunProgress, Progress]:
@@ -48,13 +67,7 @@ def live_progress(console: Console) -> tuple[RunProgress, Progress]:
 
 
 def _format(name: str, value: float) -> str:
-    label = {
-        "reward/mean": "reward",
-        "eval/reward": "eval",
-        "perf/tokens_per_s": "tok/s",
-        "perf/step_s": "s/step",
-    }[name]
-    return f"{label} {value:.3g}"
+    return f"{_LABELS[name]} {value:.3g}"
 
 
 def summary(record: RunRecord, store: RunStore) -> Table:
@@ -73,6 +86,8 @@ def summary(record: RunRecord, store: RunStore) -> Table:
                 "eval/",
                 "train/loss",
                 "train/kl",
+                "train/accuracy",
+                "train/margin",
                 "perf/step_s",
                 "perf/tokens_per_s",
                 "completion/tokens_mean",

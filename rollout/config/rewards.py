@@ -1,4 +1,5 @@
-"""[[rewards]]: plugin functions that score completions, combined by weight."""
+"""[[rewards]]: plugin functions (or trained reward models) that score completions, combined by
+weight."""
 
 from __future__ import annotations
 
@@ -53,13 +54,23 @@ PluginRef = Annotated[
 
 
 class RewardSpec(ConfigModel):
-    fn: PluginRef = Field(
+    fn: PluginRef | None = Field(
+        default=None,
         description="The reward function: a built-in name ('numeric_match', 'exact_match', "
         "'regex_match', 'length_penalty'), 'package.module:function', './file.py:function' "
         "(relative to the config file), or an entry point in the 'rollout.rewards' group. It is "
         "called as fn(prompts, completions, **fields, **options) and returns one float per "
         "completion; it receives the dataset fields it names as parameters (all of them if it "
-        "takes **kwargs).",
+        "takes **kwargs). Set exactly one of fn and model.",
+    )
+    model: str | None = Field(
+        default=None,
+        min_length=1,
+        description="A reward model trained with algorithm.kind = 'rm' scores each (prompt, "
+        "completion): a checkpoint directory ('runs/RUN_ID/checkpoints/step-000100'), "
+        "'.../checkpoints/last' for a run's latest checkpoint, a run directory (its latest), or "
+        "the Hugging Face directory inside a checkpoint. Relative to the config file's "
+        "directory. Set exactly one of fn and model.",
     )
     weight: float = Field(default=1.0, description="Weight of this reward in the weighted sum.")
     name: str | None = Field(
@@ -77,3 +88,10 @@ class RewardSpec(ConfigModel):
         description="Longest one call may take; past it the step stops with an error naming the "
         "plugin.",
     )
+
+    @property
+    def metric_name(self) -> str:
+        """The name in metrics: `name`, else the function's name, else 'reward_model'."""
+        if self.name:
+            return self.name
+        return self.fn.rsplit(":", 1)[-1] if self.fn else "reward_model"

@@ -38,8 +38,15 @@ from rollout.plan.fingerprint import sha256_file
 from rollout.plan.hardware import probe_hardware
 from rollout.plan.inspect_data import inspect_data
 from rollout.plan.inspect_model import inspect_model
-from rollout.plan.memory import check_fits, estimate_memory
+from rollout.plan.inspect_samples import record_check
+from rollout.plan.memory import (
+    check_fits,
+    estimate_memory,
+    generation_shape,
+    vllm_share_issues,
+)
 from rollout.plan.placement import build_graph
+from rollout.plan.reward_model import resolve_reward_model
 from rollout.plugins.resolve import installed_version
 
 T = TypeVar("T")
@@ -75,7 +82,7 @@ def build_plan(
     issues: list[Issue] = []
     hardware = hardware or probe_hardware()
     model = _collect(issues, lambda: inspect_model(run_config.model, base_dir=base))
-    data = _inspect_all_data(run_config, base, issues)
+    data = _inspect_all_data(run_config, base, issues, model)
     fields = _reward_fields(run_config, data)
     plugins = _resolve_rewards(run_config, base, fields, issues)
     device = _resolve_device(run_config, hardware, issues)
@@ -92,8 +99,14 @@ def build_plan(
     when = (created_at or datetime.now(timezone.utc)).replace(microsecond=0)
     run_id = run_id or make_run_id(run_config.run.name, when)
     derived = _derive(run_config, data, hardware, graph, run_id)
-    memory = estimate_memory(run_config, model, graph, derived, hardware)
-    check_fits(memory, source=str(config_path) if config_path else None)
+    shape = generation_shape(run_config, model, graph, derived, data)
+    memory = estimate_memory(run_config, model, graph, derived, hardware, shape)
+    check_fits(
+        memory,
+        source=str(config_path) if config_path else None,
+        shape=shape,
+        extra=vllm_share_issues(run_config, model, derived, hardware, graph, shape),
+    )
     return Plan(
         run_id=run_id,
         created_at=when.isoformat(),
@@ -134,8 +147,13 @@ def _required_fields(config: RunConfig) -> dict[str, str]:
     return {role: getattr(mapping, role) for role in sorted(roles) if getattr(mapping, role)}
 
 
-def _inspect_all_data(config: RunConfig, base: Path, issues: list[Issue]) -> list[DataFacts]:
+def _inspect_all_data(
+    config: RunConfig, base: Path, issues: list[Issue], model: ModelFacts | None
+) -> list[DataFacts]:
     required = _required_fields(config)
+    # Offline objectives tokenize every record with the model's tokenizer (lengths, labels).
+    check, run_issues = record_check(config, model, base)
+    issues.extend(run_issues)
     mapping = config.data.fields
     paired = None
     if config.algorithm.kind in PAIRED_PREFERENCE_KINDS and mapping.chosen and mapping.rejected:
@@ -148,7 +166,7 @@ def _inspect_all_data(config: RunConfig, base: Path, issues: list[Issue]) -> lis
         found = _collect(
             issues,
             lambda s=source, n=split: inspect_data(
-                s, split=n, base_dir=base, required=required, paired=paired
+                s, split=n, base_dir=base, required=required, paired=paired, check=check
             ),
         )
         if found is not None:
@@ -178,6 +196,15 @@ def _resolve_rewards(
 
     identities = []
     for i, spec in enumerate(config.rewards):
+        if spec.model is not None:
+            found = _collect(
+                issues,
+                lambda s=spec, u=f"rewards[{i}].model": resolve_reward_model(
+                    s.model, base_dir=base, used_by=u
+                ),
+            )
+            identities.extend([found] if found is not None else [])
+            continue
         used_by = f"rewards[{i}].fn"
         resolved = _collect(
             issues,
@@ -244,18 +271,21 @@ def _device_issues(config: RunConfig, device: str | None) -> list[Issue]:
             issues.append(
                 Issue(
                     "generation.engine",
-                    f"vllm needs a CUDA GPU, and this plan runs on {device or 'no device'}",
+                    f"the vllm engine needs a CUDA GPU, and this plan runs on "
+                    f"{device or 'no device'} (cluster.device = {config.cluster.device!r})",
                     value="vllm",
-                    hint='use engine = "hf"',
+                    hint='use engine = "hf", or plan on a machine with an NVIDIA GPU with '
+                    'cluster.device = "cuda" or "auto"',
                 )
             )
         if importlib.util.find_spec("vllm") is None:
             issues.append(
                 Issue(
                     "generation.engine",
-                    "vllm is not installed",
+                    "the vllm engine needs the vllm package, which is not installed here",
                     value="vllm",
-                    hint="pip install 'rollout[vllm]' on a CUDA machine, or use engine = \"hf\"",
+                    hint="pip install 'rollout[vllm]' on a Linux machine with an NVIDIA GPU, or "
+                    'use engine = "hf"',
                 )
             )
     return issues

@@ -2,14 +2,16 @@
 
 Every JSONL line is parsed; for Parquet the schema and row count come from the file's metadata and
 only the columns the run needs are read. Each record must hold every required field, not null, and
-a preference pair must not compare a completion with itself. Problems become Issues naming the
-file, the record (and line) and the field; at most MAX_ISSUES_PER_FILE record-level problems are
-listed, then a count of the rest.
+a preference pair must not compare a completion with itself. A caller may add its own check of
+each complete record (the offline objectives tokenize it: rollout.plan.inspect_samples). Problems
+become Issues naming the file, the record (and line) and the field; at most MAX_ISSUES_PER_FILE
+record-level problems are listed, then a count of the rest.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal, Protocol
@@ -41,9 +43,11 @@ def inspect_data(
     base_dir: Path,
     required: dict[str, str],
     paired: tuple[str, str] | None = None,
+    check: Callable[[dict[str, Any]], list[Any]] | None = None,
 ) -> DataFacts:
     """Read a data file and check it. `required` maps a role (prompt, answer, ...) to the record
-    field that holds it; `paired` names the (chosen, rejected) fields that must differ."""
+    field that holds it; `paired` names the (chosen, rejected) fields that must differ; `check`
+    returns the problems (with path, message, hint) of a record that has every required field."""
     key = f"data.{split}.path"
     location = locations.resolve(source.path, base_dir)
     if not locations.exists(location):
@@ -51,7 +55,7 @@ def inspect_data(
             locations.not_found(key, location, what=f"{split} data file", value=source.path)
         )
     data_format = _data_format(source, location, split)
-    checker = _Checker(location, key, required, paired)
+    checker = _Checker(location, key, required, paired, check)
     scan = scan_jsonl if data_format == "jsonl" else scan_parquet
     try:
         num_records = scan(location, source.limit, checker)
@@ -183,12 +187,18 @@ class _Checker:
     Issue rather than one per record."""
 
     def __init__(
-        self, location: str, key: str, required: dict[str, str], paired: tuple[str, str] | None
+        self,
+        location: str,
+        key: str,
+        required: dict[str, str],
+        paired: tuple[str, str] | None,
+        check: Callable[[dict[str, Any]], list[Any]] | None = None,
     ):
         self.location = location
         self.key = key
         self.required = dict(required)
         self.paired = paired
+        self.check = check
         self.fields: set[str] = set()
         self._missing: dict[str, _Gap] = {}
         self._null: dict[str, _Gap] = {}
@@ -216,11 +226,14 @@ class _Checker:
 
     def record(self, where: str, record: dict[str, Any]) -> None:
         self.fields.update(record)
+        complete = True
         for role, field in self.required.items():
             if field not in record:
                 _note(self._missing, role, where)
+                complete = False
             elif record[field] is None:
                 _note(self._null, role, where)
+                complete = False
         if self.paired is not None:
             chosen, rejected = (record.get(field) for field in self.paired)
             if chosen is not None and chosen == rejected:
@@ -229,10 +242,14 @@ class _Checker:
                     "identical, so the pair prefers nothing",
                     hint="drop the record, or give it a different rejected completion",
                 )
+                complete = False
+        if complete and self.check is not None:
+            for found in self.check(record):
+                self.problem(f"{where} of {self.location}: {found.message}", found.hint, found.path)
 
-    def problem(self, message: str, hint: str | None = None) -> None:
+    def problem(self, message: str, hint: str | None = None, path: str | None = None) -> None:
         if len(self._problems) < MAX_ISSUES_PER_FILE:
-            self._problems.append(Issue(self.key, message, hint=hint))
+            self._problems.append(Issue(path or self.key, message, hint=hint))
         else:
             self._unlisted += 1
 

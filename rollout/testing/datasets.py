@@ -40,6 +40,27 @@ def preference_pairs(count: int, *, seed: int) -> list[Record]:
     return records
 
 
+def glued_pairs(count: int, *, seed: int) -> list[Record]:
+    """The sum preferred over the operands glued together ("31 + 76" -> "3176"), a failure of
+    small models that a tiny one can learn to disprefer (DPO/IPO/KTO/RM smoke runs)."""
+    return [
+        {"prompt": _question(a, b), "chosen": str(a + b), "rejected": f"{a}{b}"}
+        for a, b in _operands(count, seed, low=10)
+    ]
+
+
+def judged_answers(count: int, *, seed: int) -> list[Record]:
+    """Unpaired answers with a desirable label (KTO): the sum (true) or the glued operands
+    (false), half and half at random."""
+    rng = random.Random(seed)
+    records = []
+    for pair in glued_pairs(count, seed=seed):
+        good = rng.random() < 0.5
+        completion = pair["chosen"] if good else pair["rejected"]
+        records.append({"prompt": pair["prompt"], "completion": completion, "label": good})
+    return records
+
+
 def demonstrations(count: int, *, seed: int) -> list[Record]:
     """Addition questions with worked answers (SFT)."""
     return [
@@ -56,6 +77,10 @@ def example_files() -> Iterator[tuple[str, list[Record]]]:
     yield "prefs-eval.jsonl", preference_pairs(64, seed=4)
     yield "sft-train.jsonl", demonstrations(256, seed=5)
     yield "sft-eval.jsonl", demonstrations(64, seed=6)
+    yield "glued-train.jsonl", glued_pairs(256, seed=7)
+    yield "glued-eval.jsonl", glued_pairs(64, seed=8)
+    yield "judged-train.jsonl", judged_answers(256, seed=9)
+    yield "judged-eval.jsonl", judged_answers(64, seed=10)
 
 
 def to_jsonl(records: list[Record]) -> str:

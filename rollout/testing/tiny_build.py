@@ -4,6 +4,9 @@ The weights are random but deterministic (a fixed seed on a private generator), 
 a byte-level BPE trained on a small corpus written here, so every process on every machine builds
 the same bytes without downloading anything. `builtin_model_dir` caches one build per spec and
 recipe, and is safe to call from several torchrun workers at once.
+
+torch and transformers are imported by the functions that need them, so that the planner can
+call `tiny_tokenizer` (the `tokenizers` library alone) and stay torch-free.
 """
 
 from __future__ import annotations
@@ -12,14 +15,15 @@ import hashlib
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from rollout.cache import built_once
 from rollout.testing import tiny
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 SEED = 0
 """Seeds the weights."""
@@ -70,7 +74,23 @@ def builtin_model_dir(name: str) -> Path:
 
 
 def build_tokenizer(*, model_max_length: int) -> PreTrainedTokenizerFast:
-    """The tiny byte-level BPE tokenizer, wrapped for transformers.
+    """The tiny byte-level BPE tokenizer (`tiny_tokenizer`), wrapped for transformers."""
+    from transformers import PreTrainedTokenizerFast
+
+    endoftext, im_start, im_end = tiny.SPECIAL_TOKENS
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tiny_tokenizer(),
+        bos_token=im_start,
+        eos_token=im_end,
+        pad_token=endoftext,
+        chat_template=tiny.CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,  # byte-level decoding must return the text exactly
+        model_max_length=model_max_length,
+    )
+
+
+def tiny_tokenizer() -> Tokenizer:
+    """The tiny byte-level BPE tokenizer, as the `tokenizers` library's object.
 
     Ids 0-2 are the special tokens of tiny.SPECIAL_TOKENS, then the 256 byte tokens (so any text
     encodes), then merges learned from CORPUS up to exactly tiny.VOCAB_SIZE ids.
@@ -92,16 +112,7 @@ def build_tokenizer(*, model_max_length: int) -> PreTrainedTokenizerFast:
             f"the tiny tokenizer has {bpe.get_vocab_size()} ids, not {tiny.VOCAB_SIZE}: "
             "CORPUS is too small to learn enough merges"
         )
-    endoftext, im_start, im_end = tiny.SPECIAL_TOKENS
-    return PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        bos_token=im_start,
-        eos_token=im_end,
-        pad_token=endoftext,
-        chat_template=tiny.CHAT_TEMPLATE,
-        clean_up_tokenization_spaces=False,  # byte-level decoding must return the text exactly
-        model_max_length=model_max_length,
-    )
+    return bpe
 
 
 def _save_weights(config: dict, path: Path) -> None:
@@ -113,6 +124,10 @@ def _save_weights(config: dict, path: Path) -> None:
     so sampled and greedy outputs vary with the prompt as a test needs. A tied head is not saved
     (transformers ties it to the embeddings on load).
     """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     with torch.device("meta"):  # names and shapes only
         skeleton = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
     generator = torch.Generator().manual_seed(SEED)

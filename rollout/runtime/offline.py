@@ -1,0 +1,337 @@
+"""The offline loop (DPO, IPO, KTO, SFT, reward models): batches of a fixed dataset, step by step.
+
+It reads top to bottom: load the model and tokenize the data, get the reference log-probs (cached
+in the run directory, or a live reference model), resume from the latest complete checkpoint,
+then one optimizer step per batch. Records are dealt as the online loop deals prompts
+(rollout.runtime.data.PromptStream: seeded shuffles, epoch after epoch), so the checkpointed cursor
+resumes without repeating or skipping a batch. What is specific to an objective lives in
+rollout.runtime.offline_objectives and its maths in rollout.algorithms.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rollout.harness.model_reward import SAMPLE_FORMAT_KEY
+from rollout.plan.builder import derive_seed
+from rollout.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rollout.runtime.components import build_optimizer, build_scheduler
+from rollout.runtime.data import PromptStream
+from rollout.runtime.models import LoadedModel, load_model
+from rollout.runtime.offline_batch import CompletionBatch
+from rollout.runtime.offline_data import Split, load_splits
+from rollout.runtime.offline_objectives import (
+    OBJECTIVES,
+    Context,
+    Objective,
+    build_reward_model,
+    sequence_sums,
+)
+from rollout.runtime.reference_cache import FILE_NAME, cache_key, cached_reference
+from rollout.runtime.transport import all_gather_json
+from rollout.runtime.worker import WorkerContext
+from rollout.storage.writer import BackgroundWriter
+
+log = logging.getLogger("rollout.offline")
+
+
+@dataclass
+class Run:
+    """Everything the loop works with."""
+
+    model: Any
+    tokenizer: Any
+    objective: Objective
+    train: Split
+    eval: Split | None
+    stream: PromptStream
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+
+def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
+    plan, config = ctx.plan, ctx.plan.config
+    run = _build(ctx)
+    checkpoints = Path(plan.derived.artifacts)
+    per_rank = plan.derived.minibatch_size // ctx.world_size
+
+    start = 0
+    latest = latest_checkpoint(checkpoints)
+    if latest is not None:
+        saved_optimizer = config.checkpoint.save_optimizer
+        state = load_checkpoint(
+            latest,
+            model=run.model,
+            optimizer=run.optimizer if saved_optimizer else None,
+            scheduler=run.scheduler if saved_optimizer else None,
+        )
+        start = state["step"]
+        run.stream.load_state_dict(state["cursor"][str(ctx.rank)])
+        log.info("resumed from %s at step %d", latest, start)
+    elif run.eval is not None:
+        _record(ctx, writer, 0, _evaluate(ctx, run))
+
+    total = plan.derived.total_steps
+    log.info("training %s for steps %d..%d", config.algorithm.kind, start + 1, total)
+    for step in range(start + 1, total + 1):
+        if ctx.stop.is_set():
+            log.warning("stop requested: checkpointing at step %d and exiting", step - 1)
+            _checkpoint(ctx, run, checkpoints, step - 1, writer)
+            return
+        started = time.perf_counter()
+        rows = run.stream.take(per_rank)
+        log.debug("step %d samples %s", step, ",".join(f"{r.epoch}:{r.index}" for r in rows))
+        metrics, tokens = _optimizer_step(ctx, run, [r.index for r in rows])
+        elapsed = time.perf_counter() - started
+        metrics["perf/step_s"] = elapsed
+        metrics["perf/samples_per_s"] = per_rank * ctx.world_size / elapsed
+        metrics["perf/tokens_per_s"] = tokens * ctx.world_size / elapsed
+        _record(ctx, writer, step, metrics)
+
+        last = step == total
+        interval = config.run.eval_interval
+        if run.eval is not None and (last or (interval and step % interval == 0)):
+            _record(ctx, writer, step, _evaluate(ctx, run))
+        if last or step % config.checkpoint.interval == 0:
+            _checkpoint(ctx, run, checkpoints, step, writer)
+
+
+def _optimizer_step(ctx: WorkerContext, run: Run, indices: list[int]) -> tuple[dict, int]:
+    """One optimizer step over this rank's records; the metrics summed over micro batches."""
+    run.model.train()
+    run.optimizer.zero_grad(set_to_none=True)
+    step = run.objective.step_batches(
+        run.model, run.train, indices, ctx.plan.derived.micro_batch_size
+    )
+    totals: dict[str, float] = defaultdict(float)
+    tokens = step.tokens
+    for micro in step.micros:
+        loss, metrics, micro_tokens = run.objective.loss(run.model, run.train, micro)
+        loss.backward()
+        tokens += micro_tokens
+        for name, value in metrics.items():
+            totals[f"train/{name}"] += value
+    _average_gradients(run.model, ctx.world_size)
+    limit = ctx.plan.config.algorithm.max_grad_norm
+    params = [p for p in run.model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, limit if limit is not None else float("inf"))
+    run.optimizer.step()
+    run.scheduler.step()
+    totals["train/grad_norm"] = float(norm)
+    totals["train/lr"] = run.scheduler.get_last_lr()[0]
+    return dict(totals), tokens
+
+
+def _evaluate(ctx: WorkerContext, run: Run) -> dict[str, float]:
+    """Metrics on the held-out split (each rank evaluates all of it: the split is small)."""
+    assert run.eval is not None
+    run.model.eval()
+    started = time.perf_counter()
+    metrics = run.objective.evaluate(run.model, run.eval, ctx.plan.derived.micro_batch_size)
+    log.info(
+        "eval: %s (%.1f s)",
+        ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items())),
+        time.perf_counter() - started,
+    )
+    return {f"eval/{name}": value for name, value in metrics.items()}
+
+
+# --- building ------------------------------------------------------------------------------------
+
+
+def _build(ctx: WorkerContext) -> Run:
+    plan, config = ctx.plan, ctx.plan.config
+    algo = config.algorithm
+    # The same seed on every rank: a fresh reward head must be identical everywhere.
+    torch.manual_seed(derive_seed(plan.seeds.root, "model"))
+    loaded = load_model(
+        plan.model,
+        config.model,
+        dtype=plan.derived.dtype,
+        device=ctx.device,
+        base_dir=Path(plan.base_dir),
+    )
+    model = _trainable(algo.kind, loaded, config)
+    torch.manual_seed(plan.seeds.per_rank[ctx.rank])
+    train_split, eval_split = load_splits(plan, loaded)
+    log.info(
+        "%d train and %d eval records tokenized",
+        len(train_split),
+        len(eval_split) if eval_split is not None else 0,
+    )
+    context = Context(
+        pad_id=loaded.pad_token_id,
+        device=ctx.device,
+        algo=algo,
+        max_length=algo.max_length,
+    )
+    objective = OBJECTIVES[algo.kind](context)
+    if objective.streams:
+        # Before any checkpoint is loaded: the reference is the model as the run began.
+        context.reference = _reference(ctx, model, objective, train_split, eval_split, context)
+    optimizer = build_optimizer(model, algo)
+    return Run(
+        model=model,
+        tokenizer=loaded.tokenizer,
+        objective=objective,
+        train=train_split,
+        eval=eval_split,
+        stream=PromptStream(
+            train_split.samples,
+            seed=plan.seeds.data,
+            shuffle=config.data.shuffle,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+        ),
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, algo, plan.derived.total_steps),
+    )
+
+
+def _trainable(kind: str, loaded: LoadedModel, config: Any) -> Any:
+    model = loaded.model
+    if kind == "rm":
+        model = build_reward_model(model, loaded.pad_token_id)
+        # How samples were formatted, for scoring with this model later (rewards = [{model}]).
+        setattr(
+            model.config,
+            SAMPLE_FORMAT_KEY,
+            {
+                "use_chat_template": config.data.use_chat_template,
+                "system_prompt": config.data.system_prompt,
+                "eos_token_id": loaded.eos_token_ids[0],
+            },
+        )
+    if config.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+# --- the reference -------------------------------------------------------------------------------
+
+
+@dataclass
+class CachedReference:
+    """Log-probs looked up by record: tables["{split}.{stream}"] [num_records]."""
+
+    tables: Mapping[str, torch.Tensor]
+
+    def sums(
+        self, split: str, streams: tuple[str, ...], indices: list[int], batch: CompletionBatch
+    ) -> torch.Tensor:
+        rows = torch.tensor(indices)
+        values = torch.cat([self.tables[f"{split}.{stream}"][rows] for stream in streams])
+        return values.to(batch.input_ids.device)
+
+
+@dataclass
+class LiveReference:
+    """A frozen copy of the initial model, run on every batch."""
+
+    model: Any
+
+    def sums(
+        self, split: str, streams: tuple[str, ...], indices: list[int], batch: CompletionBatch
+    ) -> torch.Tensor:
+        with torch.no_grad():
+            return sequence_sums(self.model, batch)
+
+
+def _reference(
+    ctx: WorkerContext,
+    model: Any,
+    objective: Objective,
+    train_split: Split,
+    eval_split: Split | None,
+    context: Context,
+) -> CachedReference | LiveReference:
+    plan = ctx.plan
+    if plan.config.algorithm.reference == "live":
+        reference = copy.deepcopy(model).eval()
+        reference.requires_grad_(False)
+        return LiveReference(reference)
+    splits = {s.name: s for s in (train_split, eval_split) if s is not None}
+
+    def compute(split: str, indices: list[int]) -> dict[str, list[float]]:
+        with torch.no_grad():
+            sums = objective.reference_sums(model, splits[split], indices)
+        return {stream: values.tolist() for stream, values in sums.items()}
+
+    model.eval()
+    tables = cached_reference(
+        Path(plan.derived.run_dir) / FILE_NAME,
+        cache_key(plan),
+        {name: len(split) for name, split in splits.items()},
+        objective.streams,
+        compute,
+        # The chunks evaluation uses: at step 0 the policy then scores margins of exactly 0.
+        chunk_size=plan.derived.micro_batch_size,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+    )
+    return CachedReference(tables)
+
+
+# --- recording and checkpoints -------------------------------------------------------------------
+
+
+def _average_gradients(model: Any, world_size: int) -> None:
+    if world_size == 1:
+        return
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad)
+            param.grad /= world_size
+
+
+def _record(
+    ctx: WorkerContext, writer: BackgroundWriter, step: int, metrics: Mapping[str, float]
+) -> None:
+    """Average metrics over ranks; rank 0 writes them (off the hot path, via the writer)."""
+    values = dict(metrics)
+    if ctx.world_size > 1:
+        names = sorted(values)
+        stacked = torch.tensor([values[n] for n in names], dtype=torch.float64)
+        dist.all_reduce(stacked)
+        values = dict(zip(names, (stacked / ctx.world_size).tolist(), strict=True))
+    if ctx.is_main:
+        writer.write_metrics(ctx.plan.run_id, step, values)
+
+
+def _checkpoint(
+    ctx: WorkerContext, run: Run, root: Path, step: int, writer: BackgroundWriter
+) -> None:
+    """Rank 0 saves (ranks hold identical weights); every rank's data cursor goes with it."""
+    writer.flush()  # every metric and log line of the steps it covers reaches the store first
+    cursor = run.stream.state_dict()
+    cursors = (
+        {"0": cursor}
+        if ctx.world_size == 1
+        else {str(rank): c for rank, c in enumerate(all_gather_json(cursor))}
+    )
+    if ctx.is_main and step > 0:
+        saved_optimizer = ctx.plan.config.checkpoint.save_optimizer
+        path = save_checkpoint(
+            root,
+            step,
+            model=run.model,
+            tokenizer=run.tokenizer,
+            optimizer=run.optimizer if saved_optimizer else None,
+            scheduler=run.scheduler if saved_optimizer else None,
+            trainer_state={"step": step, "cursor": cursors},
+            keep_last=ctx.plan.config.checkpoint.keep_last,
+        )
+        writer.write_checkpoint(ctx.plan.run_id, step, str(path))
+        log.info("checkpoint %s", path)
+    if ctx.world_size > 1:
+        dist.barrier()

@@ -1,0 +1,152 @@
+"""`rollout plan` catches the data mistakes of offline runs before step 1: the fields an algorithm
+needs, an empty split, pairs that prefer nothing, records longer than max_length, KTO labels that
+are not booleans; each names the file, the record and the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from rollout.cli.app import app
+from rollout.errors import PlanError
+from rollout.plan.builder import build_plan
+from tests.conftest import write_toml
+
+PAIRS = [
+    {"prompt": f"What is {i} + 1?", "chosen": str(i + 1), "rejected": f"{i}1"} for i in range(8)
+]
+JUDGED = [
+    {"prompt": f"What is {i} + 1?", "completion": str(i + 1), "label": i % 2 == 0} for i in range(8)
+]
+DEMOS = [{"prompt": f"What is {i} + 1?", "completion": f"It is {i + 1}."} for i in range(8)]
+
+ALGORITHMS = {
+    "dpo": ({"kind": "dpo"}, {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}),
+    "ipo": ({"kind": "ipo"}, {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}),
+    "rm": ({"kind": "rm"}, {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}),
+    "kto": ({"kind": "kto"}, {"prompt": "prompt", "completion": "completion", "label": "label"}),
+    "sft": ({"kind": "sft"}, {"prompt": "prompt", "completion": "completion"}),
+}
+RECORDS = {"dpo": PAIRS, "ipo": PAIRS, "rm": PAIRS, "kto": JUDGED, "sft": DEMOS}
+
+
+def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def offline_config(tmp_path: Path, kind: str, records=None, eval_records=None, **algorithm):
+    settings, fields = ALGORITHMS[kind]
+    write_jsonl(tmp_path / "train.jsonl", RECORDS[kind] if records is None else records)
+    data: dict[str, Any] = {"train": {"path": "train.jsonl"}, "fields": fields}
+    if eval_records is not None:
+        write_jsonl(tmp_path / "eval.jsonl", eval_records)
+        data["eval"] = {"path": "eval.jsonl"}
+    config = {
+        "run": {"name": "t", "output_dir": str(tmp_path / "runs")},
+        "model": {"builtin": "tiny-llama"},
+        "data": data,
+        "algorithm": {**settings, "batch_size": 4, "max_length": 64, **algorithm},
+        "cluster": {"device": "cpu"},
+    }
+    return write_toml(tmp_path / "run.toml", config)
+
+
+def plan_issues(path: Path) -> list:
+    with pytest.raises(PlanError) as raised:
+        build_plan(path)
+    return raised.value.issues
+
+
+@pytest.mark.parametrize("kind", sorted(ALGORITHMS))
+def test_every_offline_kind_plans_its_example_data(tmp_path, kind):
+    plan = build_plan(offline_config(tmp_path, kind, eval_records=RECORDS[kind]))
+    assert plan.derived.total_steps == 2
+    assert {f.split: f.num_records for f in plan.data} == {"train": 8, "eval": 8}
+
+
+@pytest.mark.parametrize(
+    ("kind", "missing"), [("dpo", "rejected"), ("kto", "label"), ("sft", "completion")]
+)
+def test_a_record_without_a_needed_field(tmp_path, kind, missing):
+    records = [dict(r) for r in RECORDS[kind]]
+    del records[2][missing]
+    (issue,) = plan_issues(offline_config(tmp_path, kind, records))
+    assert issue.path == f"data.fields.{missing}"
+    assert issue.message.startswith(f"record 3 (line 3) of {tmp_path / 'train.jsonl'}")
+    assert f"has no field {missing!r}" in issue.message
+
+
+def test_an_empty_eval_split(tmp_path):
+    (issue,) = plan_issues(offline_config(tmp_path, "dpo", eval_records=[]))
+    assert issue.path == "data.eval.path"
+    assert issue.message == f"{tmp_path / 'eval.jsonl'} holds no records"
+
+
+def test_a_pair_whose_chosen_and_rejected_are_identical(tmp_path):
+    records = [dict(r) for r in PAIRS]
+    records[4]["rejected"] = records[4]["chosen"]
+    (issue,) = plan_issues(offline_config(tmp_path, "rm", records))
+    assert issue.message.startswith(
+        f"record 5 (line 5) of {tmp_path / 'train.jsonl'}: 'chosen' and 'rejected' are identical"
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "field", "what"),
+    [
+        ("dpo", "rejected", "'prompt' + 'rejected'"),
+        ("kto", "completion", "'prompt' + 'completion'"),
+        ("sft", "completion", "'prompt' + 'completion'"),
+    ],
+)
+def test_a_record_longer_than_max_length(tmp_path, kind, field, what):
+    records = [dict(r) for r in RECORDS[kind]]
+    records[6][field] = "forty two " * 30
+    (issue,) = plan_issues(offline_config(tmp_path, kind, records, max_length=64))
+    assert issue.path == "algorithm.max_length"
+    assert issue.message.startswith(f"record 7 (line 7) of {tmp_path / 'train.jsonl'}: {what} is ")
+    assert "tokens, longer than max_length 64" in issue.message
+    assert "raise algorithm.max_length to at least" in issue.hint
+
+
+def test_sft_messages_longer_than_max_length_name_the_messages_field(tmp_path):
+    conversation = [
+        {"role": "user", "content": "Count."},
+        {"role": "assistant", "content": "one two three four " * 20},
+    ]
+    write_jsonl(tmp_path / "chats.jsonl", [{"chat": conversation}])
+    path = offline_config(tmp_path, "sft")
+    text = path.read_text().replace('"train.jsonl"', '"chats.jsonl"')
+    text = text.replace('prompt = "prompt"\ncompletion = "completion"', 'messages = "chat"')
+    path.write_text(text)
+    (issue,) = plan_issues(path)
+    assert issue.path == "algorithm.max_length" and "'chat' is " in issue.message
+
+
+def test_a_kto_label_that_is_not_a_boolean(tmp_path):
+    records = [dict(r) for r in JUDGED]
+    records[1]["label"] = "yes"
+    (issue,) = plan_issues(offline_config(tmp_path, "kto", records))
+    assert issue.path == "data.fields.label"
+    assert issue.message.startswith(f"record 2 (line 2) of {tmp_path / 'train.jsonl'}")
+    assert "'label' is 'yes', not a boolean" in issue.message
+
+
+def test_the_cli_reports_them_all_with_exit_code_2_and_no_traceback(tmp_path):
+    records = [dict(r) for r in PAIRS]
+    records[0]["chosen"] = "many words " * 40
+    records[3]["rejected"] = records[3]["chosen"]
+    path = offline_config(tmp_path, "dpo", records, eval_records=[])
+    result = CliRunner().invoke(app, ["plan", "--config", str(path), "-o", str(tmp_path / "p")])
+    assert result.exit_code == 2, result.output
+    output = " ".join(result.output.split())
+    assert "3 problems" in output
+    assert "record 1 (line 1)" in output and "longer than max_length 64" in output
+    assert "record 4 (line 4)" in output and "identical" in output
+    assert "holds no records" in output
+    assert "Traceback" not in result.output
