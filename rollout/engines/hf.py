@@ -1,15 +1,33 @@
-"""The embedded engine: batched sampling with a KV cache on a transformers causal LM.
+"""The embedded engine: continuous batching with a KV cache on a transformers causal LM.
 
-One chunk of up to max_batch_size completions runs at a time: left-padded prompts, one prefill
-forward (once per distinct prompt), then one decode step per new token that feeds only that token
-and reuses the cache. The whole chunk is sampled in one pass per step; rows that finished keep
-being fed padding and are ignored. (Continuous batching, refilling finished rows with new prompts,
-is for later.)
+A DecodeBatch samples up to `width` sequences (its slots) together in one preallocated KV cache.
+Each round it feeds every live row the token it sampled last (one decode step for the whole
+batch), prefills the prompts waiting for a free slot and writes their keys and values into those
+slots (one forward per distinct prompt: the n samples of a prompt share it), then samples the
+next token of every row in one pass, each row with its own sampling parameters. A finished row
+frees its slot and a waiting row takes it in the next round, so no row waits for the longest of
+a static batch.
+
+`HfEngine.generate()`, the batch API the trainer uses, queues its rows in a DecodeBatch of fixed
+width (max_batch_size, or all rows) and steps it until it drains: when every row fits, that is
+one static batch, exactly what it was before continuous batching. EngineService
+(rollout.engines.service) steps one DecodeBatch of adaptive width in a background thread, so
+requests of concurrent clients join the running batch.
+
+The cache layout: all rows share one write column t. A row's tokens lie right-aligned before t
+(prompts are left-padded), so a decode step writes column t of every row. A prompt of P tokens
+joining at column t takes columns t-P .. t-1 of its slot, with the slot's earlier columns masked.
+When t < P, or the cache cannot hold every live row up to its max_new_tokens, the used columns
+are copied into new buffers (with headroom, so that this stays rare).
 
 Speed on CPU, where a decode step at a small batch is bound by streaming the weights: the KV cache
-is preallocated for the chunk, sampling draws one uniform number per row (sample_tokens), and
-Llama-family models (llama, mistral, qwen2) decode through LlamaDecoder, a step written out in
-plain torch on MKL-packed weights; other models run their own forward at every step.
+is preallocated, sampling draws one uniform number per row (sample_tokens), and Llama-family
+models (llama, mistral, qwen2) decode through LlamaDecoder, a step written out in plain torch on
+MKL-packed weights; other models run their own forward at every step. Packing is per batch size,
+so a batch keeps its width while rows finish (a finished slot is fed padding until it is
+refilled): that costs less than repacking for every change in the number of live rows. An
+adaptive batch rounds its width up to a power of two, packs from PACK_MIN_WIDTH rows, and keeps
+the packed weights of its two latest widths.
 
 What a Completion carries, precisely (the learner depends on it):
 - token_ids are the sampled tokens; an eos token that ended the completion is included (so the
@@ -23,6 +41,7 @@ What a Completion carries, precisely (the learner depends on it):
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -38,16 +57,31 @@ from rollout.engines.base import Completion, EngineStats, FinishReason, Sampling
 # of c characters lies within its last 4c tokens; one more covers a character split across tokens.
 _BYTES_PER_CHAR = 4
 
+Decoder = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache], torch.Tensor]
+"""A decode step: (token ids [B], position ids [B, 1], attention mask [B, seen], the cache) ->
+next-token logits [B, V], writing the tokens' keys and values into the cache."""
 
-@dataclass
-class _Row:
+Listener = Callable[["GenerationRow", int, float], None]
+
+
+@dataclass(eq=False)
+class GenerationRow:
     """One completion while it is being sampled."""
 
     prompt_index: int
     prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    """Draws this row's random numbers; rows of one seeded request share their own."""
+    listener: Listener | None = None
+    """Called by the thread stepping the batch with each (row, token id, log-prob) sampled."""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    cancelled: bool = False
+    """Set from any thread: the batch drops the row at its next step, without a completion."""
+    first_column: int = 0
+    """The cache column of the row's first prompt token (its slot is masked before it)."""
 
 
 class HfEngine:
@@ -80,6 +114,8 @@ class HfEngine:
         else:
             self._generator.manual_seed(seed)
         self._version = 0
+        self._weights_loaded = 0
+        """Counts load_weights calls: a DecodeBatch drops its packed weights when it moves."""
         self._stats = EngineStats()
 
     @property
@@ -89,6 +125,23 @@ class HfEngine:
     @property
     def stats(self) -> EngineStats:
         return self._stats
+
+    @property
+    def model(self) -> Any:
+        return self._model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def max_batch_size(self) -> int | None:
+        return self._max_batch_size
+
+    @property
+    def context_length(self) -> int | None:
+        """The most positions (prompt + completion) the model takes, if its config says."""
+        return getattr(self._model.config, "max_position_embeddings", None)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
@@ -100,19 +153,19 @@ class HfEngine:
         if params.seed is not None:
             generator = torch.Generator(self._device).manual_seed(params.seed)
         rows = [
-            _Row(index, list(prompt))
+            GenerationRow(index, list(prompt), params, generator)
             for index, prompt in enumerate(prompts)
             for _ in range(params.n)
         ]
-        size = self._max_batch_size or max(len(rows), 1)
-        start = time.perf_counter()
-        with _eval_mode(self._model), torch.inference_mode():
-            for begin in range(0, len(rows), size):
-                self._sample(rows[begin : begin + size], params, generator)
-        self._stats.seconds += time.perf_counter() - start
-        self._stats.prompt_tokens += sum(len(row.prompt) for row in rows)
-        self._stats.generated_tokens += sum(len(row.token_ids) for row in rows)
-        return [self._completion(row, params) for row in rows]
+        if not rows:
+            return []
+        width = min(self._max_batch_size or len(rows), len(rows))
+        batch = DecodeBatch(self, width=width, pack=should_pack(self._model, params.max_new_tokens))
+        batch.add(rows)
+        with eval_mode(self._model), torch.inference_mode():
+            while batch.busy:
+                batch.step()
+        return [self.completion(row) for row in rows]
 
     def generate_one(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[Completion]:
         """The `params.n` completions of one prompt."""
@@ -123,72 +176,70 @@ class HfEngine:
         if weights is not None:
             self._model.load_state_dict(dict(weights), strict=True)
         self._version = version
+        self._weights_loaded += 1
 
     def close(self) -> None:
         """Nothing to release: the model belongs to the caller."""
 
-    # --- sampling --------------------------------------------------------------------------------
+    # --- the pieces a scheduler drives (EngineService) ---------------------------------------------
 
-    def _sample(self, rows: list[_Row], params: SamplingParams, generator: torch.Generator) -> None:
-        """Fill in the rows' tokens, log-probs and finish reasons: one prefill, then one step per
-        new token until every row has finished or max_new_tokens is reached."""
-        logits, cache, attention_mask, position_ids = self._prefill(rows, params.max_new_tokens)
-        decode = self._decoder(cache, len(rows), params.max_new_tokens)
-        seen = attention_mask.shape[1] - params.max_new_tokens
-        for step in range(params.max_new_tokens):
-            token_ids, logprobs = sample_tokens(logits, params, generator)
-            self._record(rows, token_ids.tolist(), logprobs.tolist(), params.stop)
-            active = [row.finish_reason is None for row in rows]
-            if not any(active) or step == params.max_new_tokens - 1:
-                break
-            # Finished rows are fed padding: their outputs are ignored from here on.
-            feed = token_ids.masked_fill(~torch.tensor(active, device=self._device), self._pad)
-            position_ids = position_ids[:, -1:] + 1
-            seen += 1
-            logits = decode(feed, position_ids, attention_mask[:, :seen])
-        for row in rows:
-            if row.finish_reason is None:
-                row.finish_reason = "length"
+    def rows(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        prompt_index: int = 0,
+        listener: Listener | None = None,
+    ) -> list[GenerationRow]:
+        """The `params.n` rows of one prompt, ready for DecodeBatch.add. A seeded request gets a
+        generator of its own; an unseeded one draws from the engine's."""
+        if not prompt_ids:
+            raise ValueError("a prompt has no tokens: every prompt needs at least one")
+        generator = self._generator
+        if params.seed is not None:
+            generator = torch.Generator(self._device).manual_seed(params.seed)
+        return [
+            GenerationRow(prompt_index, list(prompt_ids), params, generator, listener)
+            for _ in range(params.n)
+        ]
 
-    def _prefill(
-        self, rows: list[_Row], max_new_tokens: int
-    ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor, torch.Tensor]:
-        """Run the prompts: (next-token logits [B, V], the cache, the attention mask [B, P + N] for
-        the whole chunk, the prompts' position ids [B, P]), P the padded prompt width."""
-        # Each distinct prompt is prefilled once (GRPO samples n completions of every prompt); its
-        # cache and next-token logits are then copied to all of its rows.
-        distinct, row_prompt = _distinct([row.prompt for row in rows])
-        input_ids, prompt_mask = left_pad(distinct, self._pad, self._device)
-        # Left padding shifts each prompt right; positions count real tokens only, so every row
-        # sees the positions it would see alone (and that the learner's right-padded forward uses).
-        position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-        cache = preallocated_cache(self._model.config, input_ids.shape[1] + max_new_tokens)
-        logits = self._forward(input_ids, prompt_mask, position_ids, cache)
-        if len(distinct) < len(rows):
-            index = torch.tensor(row_prompt, device=self._device)
-            cache.batch_select_indices(index)
-            logits = logits[index]
-            prompt_mask = prompt_mask[index]
-            position_ids = position_ids[index]
-        # The mask for the whole chunk, made once: each step passes a longer view of it (every
-        # row attends to every token fed; a finished row's outputs are ignored anyway).
-        attention_mask = torch.cat(
-            [prompt_mask, prompt_mask.new_ones(len(rows), max_new_tokens)], 1
+    def decode_batch(self, max_width: int) -> DecodeBatch:
+        """A batch of adaptive width, at most `max_width` rows, keeping its packed weights
+        between steps (until load_weights): for a long-lived scheduler."""
+        pack = should_pack(self._model, PACK_MIN_NEW_TOKENS)
+        return DecodeBatch(self, width=None, max_width=max_width, pack=pack)
+
+    def completion(self, row: GenerationRow) -> Completion:
+        """The finished row as the Completion that callers and the learner see."""
+        assert row.finish_reason is not None
+        token_ids, logprobs = row.token_ids, row.logprobs
+        if row.finish_reason == "stop":
+            keep, text = cut_at_stop(token_ids, row.params.stop, self._decode)
+            token_ids, logprobs = token_ids[:keep], logprobs[:keep]
+        else:
+            text = self._decode(token_ids)
+        return Completion(
+            prompt_index=row.prompt_index,
+            token_ids=list(token_ids),
+            logprobs=list(logprobs),
+            text=text,
+            finish_reason=row.finish_reason,
+            policy_version=self._version,
         )
-        return logits, cache, attention_mask, position_ids
 
-    def _decoder(
-        self, cache: DynamicCache, batch: int, max_new_tokens: int
-    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-        """The decode step: (token ids [B], position ids [B, 1], attention mask [B, seen]) ->
-        next-token logits [B, V], extending `cache`. A Llama-family model gets its step written
-        out here (LlamaDecoder); any other model runs its own forward."""
+    # --- what a DecodeBatch calls ------------------------------------------------------------------
+
+    def _decoder(self, cache: DynamicCache, width: int, pack: bool) -> Decoder:
+        """The decode step for a batch of `width` rows. A Llama-family model gets its step
+        written out here (LlamaDecoder); any other model runs its own forward."""
         if LlamaDecoder.supports(self._model, cache):
-            pack = should_pack(self._model, max_new_tokens)
-            return LlamaDecoder(self._model, cache, batch, pack=pack)
+            return LlamaDecoder(self._model, width, pack=pack)
 
         def step(
-            token_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor
+            token_ids: torch.Tensor,
+            position_ids: torch.Tensor,
+            mask: torch.Tensor,
+            cache: DynamicCache,
         ) -> torch.Tensor:
             return self._forward(token_ids[:, None], mask, position_ids, cache)
 
@@ -215,19 +266,16 @@ class HfEngine:
         )
         return output.logits[:, -1].float()
 
-    def _record(
-        self, rows: list[_Row], token_ids: list[int], logprobs: list[float], stop: tuple[str, ...]
-    ) -> None:
-        """Append one sampled token to each unfinished row and note the rows that just finished."""
-        for row, token_id, logprob in zip(rows, token_ids, logprobs, strict=True):
-            if row.finish_reason is not None:
-                continue
-            row.token_ids.append(token_id)
-            row.logprobs.append(logprob)
-            if token_id in self._eos:
-                row.finish_reason = "eos"
-            elif stop and self._ends_with_stop(row.token_ids, stop):
-                row.finish_reason = "stop"
+    def _record(self, row: GenerationRow, token_id: int, logprob: float) -> None:
+        """Append one sampled token to the row and note whether it finished the row."""
+        row.token_ids.append(token_id)
+        row.logprobs.append(logprob)
+        if token_id in self._eos:
+            row.finish_reason = "eos"
+        elif row.params.stop and self._ends_with_stop(row.token_ids, row.params.stop):
+            row.finish_reason = "stop"
+        elif len(row.token_ids) >= row.params.max_new_tokens:
+            row.finish_reason = "length"
 
     def _ends_with_stop(self, token_ids: list[int], stop: tuple[str, ...]) -> bool:
         """Whether the newest token completed a stop string. Earlier tokens were checked at their
@@ -236,27 +284,334 @@ class HfEngine:
         tail = self._decode(token_ids[-window:])
         return any(s in tail for s in stop)
 
-    # --- results ---------------------------------------------------------------------------------
-
-    def _completion(self, row: _Row, params: SamplingParams) -> Completion:
-        assert row.finish_reason is not None
-        token_ids, logprobs = row.token_ids, row.logprobs
-        if row.finish_reason == "stop":
-            keep, text = cut_at_stop(token_ids, params.stop, self._decode)
-            token_ids, logprobs = token_ids[:keep], logprobs[:keep]
-        else:
-            text = self._decode(token_ids)
-        return Completion(
-            prompt_index=row.prompt_index,
-            token_ids=token_ids,
-            logprobs=logprobs,
-            text=text,
-            finish_reason=row.finish_reason,
-            policy_version=self._version,
-        )
-
     def _decode(self, token_ids: Sequence[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+MAX_PACKED_WIDTHS = 2
+"""Packed weight copies an adaptive batch keeps (each as large as the model's 2-D weights)."""
+
+PACK_MIN_WIDTH = 4
+"""Narrowest adaptive batch whose weights are packed: at 1 and 2 rows the plain GEMM was as fast
+(SmolLM2, 2 threads: 75 against 100 ms a step at 1 row, 83 against 90 at 2; packed wins from 4
+rows, 100 against 122, and 116 against 155 at 8)."""
+
+HEADROOM = 1.5
+"""Cache columns allocated when the layout moves, per column needed: fewer moves later."""
+
+
+class DecodeBatch:
+    """Rows sampled together in one KV cache and refilled as they finish (continuous batching).
+
+    Not thread-safe: one thread adds rows and steps it (generate(), or EngineService's loop),
+    under torch.inference_mode with the model in eval mode.
+    """
+
+    def __init__(
+        self, engine: HfEngine, *, width: int | None, pack: bool, max_width: int = 1
+    ) -> None:
+        """`width` fixes the number of rows fed at each step (finished rows are fed padding);
+        None adapts it to demand: a power of two up to `max_width`."""
+        self._engine = engine
+        self._fixed_width = width
+        self._max_width = width or max_width
+        self._pack = pack
+        self._queue: deque[GenerationRow] = deque()
+        self._slots: list[GenerationRow | None] = []
+        self._cache: DynamicCache | None = None
+        self._refillable = False
+        self._decoders: dict[int, Decoder] = {}
+        self._weights_loaded = engine._weights_loaded
+        self._mask = torch.zeros(0, 0, dtype=torch.long)
+        """[width, capacity]: which cache columns each row attends to."""
+        self._positions = torch.zeros(0, dtype=torch.long)
+        """[width]: the position id of each row's next token."""
+        self._logits: torch.Tensor | None = None
+        """[width, V]: next-token logits, to sample from."""
+        self._sampled: torch.Tensor | None = None
+        """[width]: the tokens sampled last, to feed at the next decode step."""
+        self._column = 0
+        self._capacity = 0
+
+    @property
+    def busy(self) -> bool:
+        """Whether rows are waiting or being sampled."""
+        return bool(self._queue) or any(row is not None for row in self._slots)
+
+    @property
+    def width(self) -> int:
+        return len(self._slots)
+
+    def live_rows(self) -> list[GenerationRow]:
+        return [row for row in self._slots if row is not None]
+
+    def add(self, rows: Sequence[GenerationRow]) -> None:
+        """Queue rows; they take free slots at the next steps, in order."""
+        self._queue.extend(rows)
+
+    def step(self) -> list[GenerationRow]:
+        """One round: a decode step for the live rows, prefill of waiting rows into free slots,
+        one token sampled for every row. Returns the rows that finished in it; cancelled rows
+        are dropped without finishing."""
+        started = time.perf_counter()
+        self._drop_cancelled()
+        if self._engine._weights_loaded != self._weights_loaded:
+            self._decoders.clear()  # the packed copies hold the old weights
+            self._weights_loaded = self._engine._weights_loaded
+        if any(row is not None for row in self._slots):
+            self._decode()
+        self._admit()
+        finished = self._sample() if any(row is not None for row in self._slots) else []
+        self._shrink()
+        stats = self._engine._stats
+        stats.seconds += time.perf_counter() - started
+        return finished
+
+    def reset(self) -> None:
+        """Forget every row and the cache (after a failed step)."""
+        self._queue.clear()
+        self._slots = []
+        self._cache = self._logits = self._sampled = None
+
+    # --- a step's parts ----------------------------------------------------------------------------
+
+    def _drop_cancelled(self) -> None:
+        if any(row.cancelled for row in self._queue):
+            self._queue = deque(row for row in self._queue if not row.cancelled)
+        for slot, row in enumerate(self._slots):
+            if row is not None and row.cancelled:
+                self._slots[slot] = None
+
+    def _decode(self) -> None:
+        """Feed every row its last sampled token (padding for empty slots) at column t."""
+        assert self._cache is not None and self._sampled is not None
+        column = self._column
+        self._mask[:, column] = 1
+        empty = torch.tensor([row is None for row in self._slots], device=self._mask.device)
+        feed = self._sampled.masked_fill(empty, self._engine._pad)
+        self._logits = self._decoder()(
+            feed, self._positions[:, None], self._mask[:, : column + 1], self._cache
+        )
+        self._positions += 1
+        self._column = column + 1
+        self._engine._stats.extra["decode_steps"] = (
+            self._engine._stats.extra.get("decode_steps", 0) + 1
+        )
+
+    def _admit(self) -> None:
+        """Give waiting rows the free slots: a fresh cache when no row is live, else (where every
+        layer's cache is preallocated) a prefill written into the free slots."""
+        if not self._queue:
+            return
+        if not any(row is not None for row in self._slots):
+            self._start()
+        elif self._refillable:
+            free = self._free_slots()
+            wanted = self.width - len(free) + len(self._queue)
+            if self._fixed_width is None and wanted > self.width and self.width < self._max_width:
+                self._resize(_bucket(wanted, self._max_width))
+                free = self._free_slots()
+            if free:
+                self._refill(self._take(len(free)), free)
+        else:
+            return
+        live = sum(row is not None for row in self._slots)
+        extra = self._engine._stats.extra
+        extra["max_live_rows"] = max(extra.get("max_live_rows", 0), live)
+
+    def _start(self) -> None:
+        """Prefill waiting rows into a new cache sized for them."""
+        width = self._fixed_width or _bucket(len(self._queue), self._max_width)
+        rows = self._take(width)
+        distinct, which = _distinct([row.prompt for row in rows])
+        input_ids, prompt_mask, positions = _prompt_batch(distinct, self._engine)
+        prompt_width = input_ids.shape[1]
+        capacity = prompt_width + max(row.params.max_new_tokens for row in rows)
+        cache = preallocated_cache(self._engine.model.config, capacity)
+        logits = self._engine._forward(input_ids, prompt_mask, positions, cache)
+        # Each distinct prompt was prefilled once; its cache and logits are copied to its rows.
+        # Slots beyond the rows (an adaptive width rounds up) copy row 0 and stay empty.
+        if len(distinct) < width:
+            index = torch.tensor(which + [which[0]] * (width - len(rows)), device=logits.device)
+            cache.batch_select_indices(index)
+            logits, prompt_mask, positions = logits[index], prompt_mask[index], positions[index]
+        self._cache = cache
+        self._refillable = all(type(layer) is _PreallocatedLayer for layer in cache.layers)
+        self._mask = torch.cat(
+            [prompt_mask, prompt_mask.new_zeros(width, capacity - prompt_width)], 1
+        )
+        self._positions = positions[:, -1] + 1
+        self._logits, self._sampled = logits, None
+        self._column, self._capacity = prompt_width, capacity
+        self._slots = [*rows, *[None] * (width - len(rows))]
+        for row in rows:
+            row.first_column = prompt_width - len(row.prompt)
+        self._engine._stats.prompt_tokens += sum(len(row.prompt) for row in rows)
+
+    def _refill(self, rows: list[GenerationRow], slots: list[int]) -> None:
+        """Prefill `rows` and write their keys, values, mask and logits into free `slots`."""
+        assert self._cache is not None and self._logits is not None
+        distinct, which = _distinct([row.prompt for row in rows])
+        input_ids, prompt_mask, positions = _prompt_batch(distinct, self._engine)
+        prompt_width = input_ids.shape[1]
+        self._make_room(prompt_width, max(row.params.max_new_tokens for row in rows) - 1)
+        prefilled = preallocated_cache(self._engine.model.config, prompt_width)
+        logits = self._engine._forward(input_ids, prompt_mask, positions, prefilled)
+        device = logits.device
+        index = torch.tensor(which, device=device)
+        targets = torch.tensor(slots[: len(rows)], device=device)
+        end = self._column
+        for layer, source in zip(self._cache.layers, prefilled.layers, strict=True):
+            layer.write(targets, source.keys[index], source.values[index], end)
+        self._mask[targets] = 0
+        self._mask[targets, end - prompt_width : end] = prompt_mask[index]
+        self._positions[targets] = positions[index, -1] + 1
+        self._logits[targets] = logits[index]
+        for slot, row in zip(slots, rows, strict=False):
+            self._slots[slot] = row
+            row.first_column = end - len(row.prompt)
+        self._engine._stats.prompt_tokens += sum(len(row.prompt) for row in rows)
+
+    def _sample(self) -> list[GenerationRow]:
+        """One token for every row, in one pass; returns the rows it finished."""
+        assert self._logits is not None
+        live = [row for row in self._slots if row is not None]
+        first = live[0]
+        if all(row.params is first.params and row.generator is first.generator for row in live):
+            # generate(): one set of parameters, one stream of random numbers for the batch.
+            token_ids, logprobs = sample_tokens(self._logits, first.params, first.generator)
+        else:
+            token_ids, logprobs = self._sample_per_row()
+        self._sampled = token_ids
+        finished = []
+        record = self._engine._record
+        for slot, (row, token_id, logprob) in enumerate(
+            zip(self._slots, token_ids.tolist(), logprobs.tolist(), strict=True)
+        ):
+            if row is None:
+                continue
+            record(row, token_id, logprob)
+            if row.listener is not None:
+                row.listener(row, token_id, logprob)
+            if row.finish_reason is not None:
+                self._slots[slot] = None
+                finished.append(row)
+        self._engine._stats.generated_tokens += len(live)
+        return finished
+
+    def _sample_per_row(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """sample_rows with each row's parameters and its own generator's draw."""
+        assert self._logits is not None
+        device = self._logits.device
+        rows = self._slots
+        temperature = torch.tensor(
+            [row.params.temperature if row else 0.0 for row in rows], device=device
+        )
+        top_k = torch.tensor([row.params.top_k if row else 0 for row in rows], device=device)
+        top_p = torch.tensor([row.params.top_p if row else 1.0 for row in rows], device=device)
+        uniform = torch.zeros(len(rows), device=device)
+        groups: dict[int, tuple[torch.Generator, list[int]]] = {}
+        for slot, row in enumerate(rows):
+            if row is not None and row.params.temperature > 0:
+                groups.setdefault(id(row.generator), (row.generator, []))[1].append(slot)
+        for generator, slots in groups.values():
+            uniform[slots] = torch.rand(len(slots), generator=generator, device=device)
+        return sample_rows(self._logits, temperature, top_k, top_p, uniform)
+
+    def _shrink(self) -> None:
+        """An adaptive batch with no rows waiting drops to a quarter of its width or less."""
+        live = sum(row is not None for row in self._slots)
+        if self._fixed_width is None and not self._queue and 0 < live <= self.width // 4:
+            self._resize(_bucket(live, self._max_width))
+
+    # --- the layout --------------------------------------------------------------------------------
+
+    def _decoder(self) -> Decoder:
+        assert self._cache is not None
+        decoder = self._decoders.get(self.width)
+        if decoder is None:
+            if len(self._decoders) >= MAX_PACKED_WIDTHS:
+                del self._decoders[next(iter(self._decoders))]
+            started = time.perf_counter()
+            # An adaptive batch packs only from PACK_MIN_WIDTH rows; generate() packs as it
+            # always did, so that its outputs stay what they were.
+            pack = self._pack and (self._fixed_width is not None or self.width >= PACK_MIN_WIDTH)
+            decoder = self._engine._decoder(self._cache, self.width, pack)
+            self._decoders[self.width] = decoder
+            extra = self._engine._stats.extra
+            extra["decoders_built"] = extra.get("decoders_built", 0) + 1
+            extra["decoder_build_s"] = extra.get("decoder_build_s", 0.0) + (
+                time.perf_counter() - started
+            )
+        return decoder
+
+    def _free_slots(self) -> list[int]:
+        return [slot for slot, row in enumerate(self._slots) if row is None]
+
+    def _take(self, count: int) -> list[GenerationRow]:
+        return [self._queue.popleft() for _ in range(min(count, len(self._queue)))]
+
+    def _make_room(self, prompt_width: int, new_feeds: int) -> None:
+        """Ensure the cache has `prompt_width` columns before t for a refill, and room after t
+        for every live row's remaining tokens (`new_feeds` for the newcomers)."""
+        live = [row for row in self._slots if row is not None]
+        feeds = max(
+            [new_feeds, *(row.params.max_new_tokens - len(row.token_ids) - 1 for row in live)]
+        )
+        column = self._column
+        if column >= prompt_width and column + feeds <= self._capacity:
+            return
+        first = min(row.first_column for row in live)
+        new_column = max(column - first, prompt_width)
+        capacity = max(self._capacity, int((new_column + feeds) * HEADROOM))
+        self._relayout(None, first, new_column - column, capacity)
+
+    def _resize(self, width: int) -> None:
+        """Move the live rows to the first slots of a batch `width` wide."""
+        live = [slot for slot, row in enumerate(self._slots) if row is not None]
+        order = live + [live[0]] * (width - len(live))
+        index = torch.tensor(order, device=self._mask.device)
+        first = min(row.first_column for row in self._slots if row is not None)
+        self._relayout(index, first, 0, self._capacity)
+        self._slots = [self._slots[slot] for slot in live] + [None] * (width - len(live))
+        self._positions = self._positions[index]
+        if self._logits is not None:
+            self._logits = self._logits[index]
+        if self._sampled is not None:
+            self._sampled = self._sampled[index]
+
+    def _relayout(self, rows: torch.Tensor | None, first: int, shift: int, capacity: int) -> None:
+        """New buffers of `capacity` columns holding rows `rows` (all when None) of the cache
+        columns first .. t-1, moved by `shift` columns."""
+        assert self._cache is not None
+        for layer in self._cache.layers:
+            layer.relayout(rows, first, shift, capacity)
+        column = self._column
+        mask = self._mask[:, first:column] if rows is None else self._mask[rows, first:column]
+        self._mask = mask.new_zeros(mask.shape[0], capacity)
+        self._mask[:, first + shift : column + shift] = mask
+        self._column, self._capacity = column + shift, capacity
+        for row in self._slots:
+            if row is not None:
+                row.first_column += shift
+        extra = self._engine._stats.extra
+        extra["relayouts"] = extra.get("relayouts", 0) + 1
+
+
+def _bucket(rows: int, most: int) -> int:
+    """The width for `rows` rows: the next power of two, at most `most`."""
+    return min(1 << max(rows - 1, 0).bit_length(), most)
+
+
+def _prompt_batch(
+    prompts: list[list[int]], engine: HfEngine
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-padded prompts: (input ids [B, P], attention mask [B, P], position ids [B, P])."""
+    input_ids, prompt_mask = left_pad(prompts, engine._pad, engine._device)
+    # Left padding shifts each prompt right; positions count real tokens only, so every row
+    # sees the positions it would see alone (and that the learner's right-padded forward uses).
+    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    return input_ids, prompt_mask, positions
 
 
 def sample_tokens(
@@ -285,9 +640,44 @@ def sample_tokens(
     return token_ids, logprobs
 
 
-def sample_proportional(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def sample_rows(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    uniform: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """sample_tokens with parameters per row: logits [B, V], temperature [B] (0: greedy),
+    top_k [B] (0: off), top_p [B] (1: off), uniform [B] (each row's draw in [0, 1), unused by
+    greedy rows) -> (token ids [B], log-probs [B]), the log-probs as sample_tokens reports them.
+    """
+    greedy = temperature <= 0
+    scale = torch.where(greedy, torch.ones_like(temperature), temperature).to(logits.dtype)
+    scaled = logits / scale[:, None]
+    peak = scaled.amax(-1, keepdim=True)
+    weights = (scaled - peak).exp_()
+    log_normalizer = weights.sum(-1, keepdim=True).log_() + peak
+    truncating = ~greedy & (((top_k > 0) & (top_k < logits.shape[-1])) | (top_p < 1.0))
+    if bool(truncating.any()):
+        truncated = truncate_rows(
+            scaled, top_k.masked_fill(~truncating, 0), top_p.masked_fill(~truncating, 1.0)
+        )
+        weights = (truncated - peak).exp_()
+    sampled = sample_proportional(weights, None, uniform=uniform.to(weights.dtype)[:, None])
+    token_ids = torch.where(greedy, scaled.argmax(-1), sampled)
+    logprobs = (scaled.gather(-1, token_ids[:, None]) - log_normalizer).squeeze(-1)
+    return token_ids, logprobs
+
+
+def sample_proportional(
+    weights: torch.Tensor,
+    generator: torch.Generator | None,
+    *,
+    uniform: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One index per row of weights [B, V] (>= 0, not all 0), drawn with probability
-    proportional to its weight; a weight of 0 is never drawn.
+    proportional to its weight; a weight of 0 is never drawn. `uniform` [B, 1] gives each row's
+    draw in [0, 1); without it they come from `generator`.
 
     Inverse CDF: one uniform draw per row located in the running sum of the weights. It draws what
     torch.multinomial draws, but multinomial spends one random number per vocabulary entry,
@@ -295,7 +685,10 @@ def sample_proportional(weights: torch.Tensor, generator: torch.Generator) -> to
     """
     cdf = weights.cumsum(-1)
     total = cdf[:, -1:].contiguous()  # searchsorted copies a non-contiguous argument anyway
-    uniform = torch.rand(total.shape, generator=generator, device=weights.device, dtype=cdf.dtype)
+    if uniform is None:
+        uniform = torch.rand(
+            total.shape, generator=generator, device=weights.device, dtype=cdf.dtype
+        )
     index = torch.searchsorted(cdf, uniform * total, right=True)
     # Rounding can put uniform * total at the total itself; the last index with a weight is
     # where the running sum first reaches the total.
@@ -317,6 +710,26 @@ def truncate(logits: torch.Tensor, *, top_k: int, top_p: float) -> torch.Tensor:
         probs = sorted_logits.softmax(-1)
         before = probs.cumsum(-1) - probs  # probability of the tokens ranked above each one
         drop_sorted = before >= top_p
+        drop_sorted[:, 0] = False
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def truncate_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """truncate with a top_k [B] and a top_p [B] per row of logits [B, V] (0 and 1: off)."""
+    by_k = (top_k > 0) & (top_k < logits.shape[-1])
+    if bool(by_k.any()):
+        k = torch.where(by_k, top_k, torch.ones_like(top_k))
+        kth = logits.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None])
+        kth = kth.masked_fill(~by_k[:, None], float("-inf"))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    by_p = top_p < 1.0
+    if bool(by_p.any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        before = probs.cumsum(-1) - probs
+        drop_sorted = (before >= top_p.to(probs.dtype)[:, None]) & by_p[:, None]
         drop_sorted[:, 0] = False
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
@@ -375,8 +788,8 @@ def preallocated_cache(config: Any, capacity: int) -> DynamicCache:
 
 
 class _PreallocatedLayer(DynamicLayer):
-    """A DynamicLayer that writes each step's keys and values into buffers sized for the whole
-    chunk, where DynamicLayer concatenates: that copies the layer's whole cache at every step.
+    """A DynamicLayer that writes each step's keys and values into buffers sized for a whole
+    batch, where DynamicLayer concatenates: that copies the layer's whole cache at every step.
     keys and values are views of the filled part, so attention sees exactly what it saw before."""
 
     def __init__(self, capacity: int) -> None:
@@ -420,6 +833,39 @@ class _PreallocatedLayer(DynamicLayer):
         self.keys = self._key_buffer[:, :, : self.length]
         self.values = self._value_buffer[:, :, : self.length]
 
+    def write(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, end: int) -> None:
+        """Put keys and values [k, kv_heads, S, head_dim] (a prefill) into rows `rows` at
+        columns end - S .. end - 1; the filled length stays as it is."""
+        start = end - keys.shape[-2]
+        self._key_buffer[rows, :, start:end] = keys
+        self._value_buffer[rows, :, start:end] = values
+
+    def relayout(self, rows: torch.Tensor | None, first: int, shift: int, capacity: int) -> None:
+        """New buffers of `capacity` columns holding rows `rows` (all when None) of the filled
+        columns first .. length-1, moved by `shift` columns.
+
+        The columns before them are zeroed: they are masked, but attention still multiplies
+        their values by a weight of 0, and a NaN in uninitialized memory would survive that.
+        """
+        end = self.length
+        self._key_buffer = _moved(self._key_buffer, rows, first, end, shift, capacity)
+        self._value_buffer = _moved(self._value_buffer, rows, first, end, shift, capacity)
+        self.capacity, self.length = capacity, end + shift
+        self.keys = self._key_buffer[:, :, : self.length]
+        self.values = self._value_buffer[:, :, : self.length]
+
+
+def _moved(
+    buffer: torch.Tensor, rows: torch.Tensor | None, first: int, end: int, shift: int, capacity: int
+) -> torch.Tensor:
+    """buffer [B, H, C, D]'s rows `rows` (all when None), columns first .. end-1, at columns
+    first + shift .. in a new buffer of `capacity` columns, zero before them."""
+    part = buffer[:, :, first:end] if rows is None else buffer[rows, :, first:end]
+    moved = part.new_empty(*part.shape[:2], capacity, part.shape[3])
+    moved[:, :, : first + shift] = 0
+    moved[:, :, first + shift : end + shift] = part
+    return moved
+
 
 # --- a written-out decode step for Llama-family models ------------------------------------------
 
@@ -429,7 +875,7 @@ decode steps of SmolLM2 at batch 8 save with it (it mostly pays for fresh memory
 
 PACK_MAX_BYTES = 2 * 1024**3
 """Largest model (its 2-D weights, in bytes) to pack: the packed copy lives beside the weights
-while a chunk is sampled, memory that the plan's estimate does not count."""
+while a batch is sampled, memory that the plan's estimate does not count."""
 
 _LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2"})
 """model_types whose decoder layer is exactly what LlamaDecoder computes: pre-norm, q/k/v/o
@@ -441,11 +887,11 @@ _MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 
 class LlamaDecoder:
     """One decode step of a Llama-family model in plain torch, over the model's own weights and
-    modules (norms, rotary embedding, activation) and the chunk's preallocated cache.
+    modules (norms, rotary embedding, activation) and a batch's preallocated cache.
 
     Why: at batch 8 on CPU, transformers' per-module Python, mask building and cache bookkeeping
     cost about a fifth of a step; this is about 15 tensor ops per layer. And with pack=True the
-    linear layers use MKL's packed GEMM, packed once for the chunk's batch size: the plain sgemm
+    linear layers use MKL's packed GEMM, packed once for the batch's width: the plain sgemm
     that nn.Linear calls re-packs the whole weight on every call, which makes a step with a few
     rows about twice as slow as streaming the weights. The prefill still runs the model itself.
     """
@@ -484,12 +930,11 @@ class LlamaDecoder:
             m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in bypassed
         )
 
-    def __init__(self, model: Any, cache: DynamicCache, batch: int, *, pack: bool) -> None:
+    def __init__(self, model: Any, batch: int, *, pack: bool) -> None:
         def linear(module: torch.nn.Linear) -> PackedLinear:
             return PackedLinear(module, batch if pack else None)
 
         self._model = model
-        self._cache = cache
         self._layers = [
             _LlamaLayer(
                 input_norm=layer.input_layernorm,
@@ -512,17 +957,21 @@ class LlamaDecoder:
         self._head = linear(model.lm_head)
 
     def __call__(
-        self, token_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
+        self,
+        token_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: DynamicCache,
     ) -> torch.Tensor:
         """Next-token logits, float32 [B, V], after token_ids [B] at position_ids [B, 1];
-        attention_mask [B, seen] covers the cache and the new token."""
+        attention_mask [B, seen] covers the cache and the new token, which goes into `cache`."""
         inner = self._model.model
         hidden = inner.embed_tokens(token_ids)  # [B, hidden]
         cos, sin = inner.rotary_emb(hidden, position_ids)  # [B, 1, head_dim], broadcast over heads
         # One query per row: its mask is the same for all heads and queries, [B, 1, 1, seen].
         mask = attention_mask.bool()[:, None, None, :]
-        for layer, cache in zip(self._layers, self._cache.layers, strict=True):
-            hidden = layer(hidden, cos, sin, mask, cache)
+        for layer, layer_cache in zip(self._layers, cache.layers, strict=True):
+            hidden = layer(hidden, cos, sin, mask, layer_cache)
         return self._head(inner.norm(hidden)).float()
 
 
@@ -580,7 +1029,8 @@ class PackedLinear:
     """nn.Linear's forward on the module's current weight, optionally through MKL's packed GEMM
     for a fixed number of rows (other row counts take the plain path).
 
-    The packed copy is a snapshot: it lives for one chunk, during which the weights cannot change.
+    The packed copy is a snapshot of the weights: a DecodeBatch drops it when load_weights is
+    called, and generate() packs anew at each call (the learner changes the weights in between).
     """
 
     def __init__(self, module: torch.nn.Linear, rows: int | None) -> None:
@@ -598,7 +1048,7 @@ class PackedLinear:
 def should_pack(model: torch.nn.Module, max_new_tokens: int) -> bool:
     """Whether LlamaDecoder should pack the weights for MKL's packed GEMM: float32 on the CPU
     with torch built with MKL, a long enough generation to pay back the packing, and a packed
-    copy (as large as the weights, for the length of the chunk) of at most PACK_MAX_BYTES."""
+    copy (as large as the weights, for the life of the batch) of at most PACK_MAX_BYTES."""
     weights = [p for p in model.parameters() if p.dim() == 2]
     return (
         max_new_tokens >= PACK_MIN_NEW_TOKENS
@@ -610,7 +1060,7 @@ def should_pack(model: torch.nn.Module, max_new_tokens: int) -> bool:
 
 
 @contextmanager
-def _eval_mode(module: torch.nn.Module) -> Iterator[None]:
+def eval_mode(module: torch.nn.Module) -> Iterator[None]:
     """Eval mode for the duration, then the module's previous mode back.
 
     The engine may share the learner's module, which is in train mode between steps; in train mode

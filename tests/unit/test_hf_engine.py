@@ -4,6 +4,7 @@ what a prompt gets, and finish reasons, stop strings, seeds and grouping behave 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,16 @@ import torch
 
 from rollout.engines import hf
 from rollout.engines.base import Completion, SamplingParams
-from rollout.engines.hf import HfEngine, cut_at_stop, sample_proportional, truncate
+from rollout.engines.hf import (
+    HfEngine,
+    cut_at_stop,
+    eval_mode,
+    sample_proportional,
+    sample_rows,
+    sample_tokens,
+    truncate,
+    truncate_rows,
+)
 from rollout.runtime.models import apply_chat_template
 
 LOGPROB_TOLERANCE = 1e-4
@@ -128,6 +138,117 @@ def test_repeated_prompts_are_prefilled_once_and_sampled_as_alone(engine, prompt
     for completion, reference in zip(completions, expected, strict=True):
         assert completion.token_ids == reference.token_ids
         assert completion.logprobs == pytest.approx(reference.logprobs, abs=1e-5)
+
+
+# --- continuous batching -----------------------------------------------------------------------
+
+
+def test_generate_refills_a_finished_slot_at_once(tiny_llama, engine, prompts):
+    # Pretend the 4th token of prompt 0 ends a turn: its row finishes early, and with room for
+    # two rows prompt 2 must take its slot then, not wait for prompt 1's row to finish too.
+    reference = engine.generate(prompts, greedy())
+    eos = reference[0].token_ids[3]
+    assert all(eos not in c.token_ids for c in reference[1:]), "pick another token"
+    narrow = make_engine(tiny_llama, eos_token_ids=[eos], max_batch_size=2)
+    completions = narrow.generate(prompts, greedy())
+    assert [c.token_ids for c in completions] == [reference[0].token_ids[:4]] + [
+        c.token_ids for c in reference[1:]
+    ]
+    for completion, full in zip(completions, reference, strict=True):
+        assert completion.logprobs == pytest.approx(
+            full.logprobs[: len(completion.logprobs)], abs=1e-5
+        )
+    # Static chunks would take 15 + 15 decode steps; refilled after its 4th token, prompt 2
+    # samples its first token in the 5th round (after that round's decode step), so 4 + 15 do.
+    assert narrow.stats.extra["decode_steps"] == 4 + 15
+    assert narrow.stats.extra["max_live_rows"] == 2
+
+
+def test_rows_joining_a_running_batch_sample_as_alone(tiny_llama, engine, prompts):
+    """A DecodeBatch of adaptive width fed rows while it runs, each with its own parameters:
+    greedy rows get what they get alone, sampled rows report what the learner recomputes, and
+    the layout moves (a longer prompt than the batch holds, a wider batch) change nothing."""
+    long_prompt = apply_chat_template(
+        tiny_llama.tokenizer, tiny_llama.chat_template, " ".join(["count with me"] * 20), None
+    )
+    requests = [
+        (prompts[1], SamplingParams(max_new_tokens=3, temperature=0.0)),
+        (prompts[0], SamplingParams(max_new_tokens=20, temperature=0.8, seed=1)),
+        (long_prompt, SamplingParams(max_new_tokens=7, temperature=0.0)),
+        (prompts[2], SamplingParams(max_new_tokens=12, temperature=0.7, top_k=5, seed=2, n=2)),
+        (prompts[1], SamplingParams(max_new_tokens=30, temperature=0.0)),
+        (prompts[0], SamplingParams(max_new_tokens=9, temperature=1.0, top_p=0.8, seed=3)),
+    ]
+    batch = engine.decode_batch(max_width=4)
+    rows = [
+        engine.rows(prompt, params, prompt_index=i) for i, (prompt, params) in enumerate(requests)
+    ]
+    widths = set()
+    with eval_mode(tiny_llama.model), torch.inference_mode():
+        batch.add(rows[0] + rows[1])
+        for step in range(200):
+            if step % 3 == 2 and step // 3 + 2 < len(rows):
+                batch.add(rows[step // 3 + 2])  # a new request every third step
+            batch.step()
+            widths.add(batch.width)
+            if not batch.busy and step // 3 + 2 >= len(rows):
+                break
+    assert not batch.busy
+    assert engine.stats.extra["relayouts"] >= 2  # the long prompt moved it, the widths too
+    assert {1, 4} <= widths  # grew for the queue, shrank when one row was left
+    for (prompt, params), request_rows in zip(requests, rows, strict=True):
+        for row in request_rows:
+            completion = engine.completion(row)
+            if completion.finish_reason != "eos":
+                assert len(completion.token_ids) == params.max_new_tokens
+            (expected,) = learner_logprobs(
+                tiny_llama.model,
+                [prompt],
+                [replace(completion, prompt_index=0)],
+                params.temperature,
+            )
+            assert completion.logprobs == pytest.approx(expected, abs=LOGPROB_TOLERANCE)
+            if params.temperature == 0:
+                (alone,) = engine.generate([prompt], params)
+                assert completion.token_ids == alone.token_ids
+
+
+def test_sample_rows_is_sample_tokens_row_by_row():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
+    settings = [
+        (0.0, 0, 1.0),
+        (1.0, 0, 1.0),
+        (0.7, 5, 1.0),
+        (0.7, 0, 0.8),
+        (1.3, 3, 0.5),
+        (0.5, 1, 1.0),
+    ]
+    temperature, top_k, top_p = (torch.tensor(column) for column in zip(*settings, strict=True))
+
+    def draw(row):  # sample_tokens' own draw for one row: torch.rand([1, 1]) from this generator
+        return torch.Generator().manual_seed(100 + row)
+
+    uniform = torch.cat([torch.rand(1, 1, generator=draw(row))[0] for row in range(6)])
+    token_ids, logprobs = sample_rows(logits, temperature, top_k, top_p, uniform)
+    for row, (t, k, p) in enumerate(settings):
+        params = SamplingParams(max_new_tokens=1, temperature=t, top_k=k, top_p=p)
+        expected_ids, expected_logprobs = sample_tokens(logits[row : row + 1], params, draw(row))
+        assert token_ids[row] == expected_ids[0]
+        assert logprobs[row].item() == pytest.approx(expected_logprobs[0].item(), abs=1e-6)
+        reference = (logits[row] / (t or 1.0)).log_softmax(-1)[token_ids[row]]
+        assert logprobs[row].item() == pytest.approx(reference.item(), abs=1e-5)
+    assert token_ids[0] == logits[0].argmax() and token_ids[5] == logits[5].argmax()
+
+
+def test_truncate_rows_is_truncate_row_by_row():
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(1))
+    settings = [(0, 1.0), (3, 1.0), (0, 0.6), (7, 0.3)]
+    top_k, top_p = (torch.tensor(column) for column in zip(*settings, strict=True))
+    truncated = truncate_rows(logits, top_k, top_p)
+    for row, (k, p) in enumerate(settings):
+        assert torch.equal(
+            truncated[row : row + 1], truncate(logits[row : row + 1], top_k=k, top_p=p)
+        )
 
 
 # --- the decode step -------------------------------------------------------------------------

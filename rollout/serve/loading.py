@@ -1,0 +1,275 @@
+"""What `rollout serve` serves: a model named by a config, a path or a checkpoint, loaded as a
+training worker loads it (rollout.runtime.models.load_model), behind an EngineService.
+
+Sources, exactly one:
+- a config file: its [model] section (with its tokenizer and chat template overrides) and its
+  [generation] section as the request defaults;
+- a model: a Hugging Face directory, a .gguf file, `builtin:NAME` or `package:NAME`;
+- a checkpoint: a step directory (runs/<id>/checkpoints/step-000010), a run directory or its
+  checkpoints directory (the latest complete step), or a run id from the run store. Completions
+  then carry the checkpoint's step as their policy version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollout.config.model import ModelSection
+from rollout.config.secrets import check_secret_ref
+from rollout.errors import Issue, RolloutError
+from rollout.serve.protocol import Defaults, ModelInfo
+
+
+@dataclass(frozen=True)
+class ServeSource:
+    """The model to serve and how, as the command line gave it."""
+
+    section: ModelSection
+    base_dir: Path
+    name: str
+    defaults: Defaults
+    max_batch_size: int | None = None
+    policy_version: int = 0
+
+
+def resolve_source(
+    *, config: Path | None, model: str | None, checkpoint: str | None, name: str | None
+) -> ServeSource:
+    """The one source among --config, --model and --checkpoint (a RolloutError otherwise)."""
+    given = [
+        flag
+        for flag, value in (("--config", config), ("--model", model), ("--checkpoint", checkpoint))
+        if value is not None
+    ]
+    if len(given) != 1:
+        raise RolloutError(
+            Issue(
+                "rollout serve",
+                "give exactly one of --config, --model or --checkpoint"
+                + (f" (got {', '.join(given)})" if given else ""),
+                hint="e.g. rollout serve --model builtin:tiny-llama",
+            )
+        )
+    if config is not None:
+        return _from_config(config, name)
+    if model is not None:
+        section = _model_section(model)
+        default_name = section.builtin or section.package or Path(model).name
+        return ServeSource(section, Path.cwd(), name or default_name, Defaults())
+    assert checkpoint is not None
+    step_dir = _checkpoint_dir(checkpoint)
+    section = ModelSection(path=str(step_dir / "model"))
+    default_name = f"{step_dir.parent.parent.name}/{step_dir.name}"
+    return ServeSource(
+        section, Path.cwd(), name or default_name, Defaults(), policy_version=_step(step_dir)
+    )
+
+
+def resolve_api_key(reference: str | None, host: str) -> str | None:
+    """The API key a secret reference (env:NAME or file:/path) names; required unless `host` is
+    a loopback address. The reference is never echoed: it might be the key itself."""
+    if reference is None:
+        if not is_loopback(host):
+            raise RolloutError(
+                Issue(
+                    "--host",
+                    f"binding {host} exposes the model beyond this machine, and needs an API key",
+                    hint="add --api-key env:NAME with the key in that environment variable, "
+                    "or bind 127.0.0.1",
+                )
+            )
+        return None
+    try:
+        check_secret_ref(reference)
+    except ValueError:
+        raise RolloutError(
+            Issue(
+                "--api-key",
+                "takes a reference to the key, never the key itself",
+                hint="export ROLLOUT_API_KEY=... and pass --api-key env:ROLLOUT_API_KEY "
+                "(or --api-key file:/path/to/key)",
+            )
+        ) from None
+    if reference.startswith("env:"):
+        variable = reference.removeprefix("env:")
+        key = os.environ.get(variable, "")
+        where = f"the environment variable {variable}"
+    else:
+        path = Path(reference.removeprefix("file:")).expanduser()
+        try:
+            key = path.read_text(encoding="utf-8").strip()
+        except OSError as error:
+            raise RolloutError(
+                Issue("--api-key", f"cannot read {path}: {error.strerror}")
+            ) from None
+        where = str(path)
+    if not key:
+        raise RolloutError(Issue("--api-key", f"{where} is not set or empty"))
+    return key
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def load_served(
+    source: ServeSource, *, device: str, dtype: str, seed: int | None, max_batch_size: int | None
+) -> Any:
+    """Load the model and start an EngineService: (ServedModel, the service)."""
+    from rollout.engines.hf import HfEngine
+    from rollout.engines.service import EngineService
+    from rollout.plan.inspect_model import inspect_model
+    from rollout.runtime.models import load_model
+    from rollout.serve.server import ServedModel
+
+    facts = inspect_model(source.section, base_dir=source.base_dir)
+    if dtype == "auto":
+        dtype = source.section.dtype
+    if dtype == "auto":
+        dtype = "float32" if device == "cpu" else "bfloat16"
+    loaded = load_model(facts, source.section, dtype=dtype, device=device, base_dir=source.base_dir)
+    engine = HfEngine(
+        loaded.model,
+        eos_token_ids=loaded.eos_token_ids,
+        pad_token_id=loaded.pad_token_id,
+        tokenizer=loaded.tokenizer,
+        max_batch_size=max_batch_size or source.max_batch_size,
+        device=device,
+        seed=seed,
+    )
+    engine.load_weights(None, version=source.policy_version)
+    tokenizer, template = loaded.tokenizer, loaded.chat_template
+
+    def chat_encode(messages: list[dict[str, Any]]) -> list[int]:
+        return list(
+            tokenizer.apply_chat_template(
+                messages,
+                chat_template=template,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        )
+
+    info = ModelInfo(
+        name=source.name,
+        context_length=engine.context_length,
+        vocab_size=loaded.model.config.vocab_size,
+        encode=lambda text: list(tokenizer.encode(text, add_special_tokens=True)),
+        chat_encode=chat_encode if template else None,
+        defaults=source.defaults,
+    )
+    service = EngineService(engine)
+    return ServedModel(
+        info, service, lambda token_id: tokenizer.decode([token_id]), created=int(time.time())
+    )
+
+
+def _from_config(path: Path, name: str | None) -> ServeSource:
+    from rollout.config import load_config
+
+    config = load_config(path)
+    generation = config.generation
+    defaults = Defaults(
+        max_tokens=generation.max_new_tokens,
+        temperature=generation.temperature,
+        top_p=generation.top_p,
+        top_k=generation.top_k,
+        stop=tuple(generation.stop),
+    )
+    section = config.model
+    default_name = section.builtin or section.package or config.run.name
+    return ServeSource(
+        section,
+        path.resolve().parent,
+        name or default_name,
+        defaults,
+        max_batch_size=generation.max_batch_size,
+    )
+
+
+def _model_section(model: str) -> ModelSection:
+    if model.startswith("builtin:"):
+        return _section("--model", builtin=model.removeprefix("builtin:"))
+    if model.startswith("package:"):
+        return _section("--model", package=model.removeprefix("package:"))
+    return _section("--model", path=model)
+
+
+def _section(flag: str, **fields: Any) -> ModelSection:
+    from pydantic import ValidationError
+
+    try:
+        return ModelSection(**fields)
+    except ValidationError as error:
+        message = "; ".join(e["msg"] for e in error.errors())
+        raise RolloutError(Issue(flag, message, value=next(iter(fields.values())))) from None
+
+
+def _checkpoint_dir(checkpoint: str) -> Path:
+    """The step directory --checkpoint names: itself, the latest in a run or checkpoints
+    directory, or the latest of a run id's artifacts."""
+    from rollout.runtime.checkpoint import latest_checkpoint
+
+    path = Path(checkpoint).expanduser()
+    if not path.exists():
+        path = _run_checkpoints(checkpoint)
+    if (path / "model").is_dir():
+        return path
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    latest = latest_checkpoint(root)
+    if latest is None:
+        raise RolloutError(
+            Issue(
+                "--checkpoint",
+                f"{root} holds no complete checkpoint",
+                hint="give a step directory such as runs/<id>/checkpoints/step-000010",
+            )
+        )
+    return latest
+
+
+def _run_checkpoints(run_id: str) -> Path:
+    """A run id's checkpoint root, from the run store's record of it."""
+    from rollout.plan.definition import Plan
+    from rollout.storage import check_run_id, default_store_location, find_run, open_store
+
+    check_run_id(run_id)
+    location = default_store_location()
+    try:
+        store = open_store(location, create=False)
+    except RolloutError:
+        raise RolloutError(
+            Issue(
+                "--checkpoint",
+                f"{run_id!r} is neither a directory nor a run of a run store",
+                hint="give a step directory such as runs/<id>/checkpoints/step-000010",
+            )
+        ) from None
+    try:
+        record = find_run(store, run_id, location)
+    finally:
+        store.close()
+    plan = Plan.from_file(record.plan_path, check_fresh=False)
+    return Path(plan.derived.artifacts.removeprefix("file://"))
+
+
+def _step(step_dir: Path) -> int:
+    """The checkpoint's training step: the policy version of what it samples."""
+    try:
+        return int(json.loads((step_dir / "trainer.json").read_text(encoding="utf-8"))["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        digits = "".join(c for c in step_dir.name if c.isdigit())
+        return int(digits) if digits else 0
