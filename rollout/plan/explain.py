@@ -9,7 +9,13 @@ from rich.text import Text
 
 from rollout.config.algorithm import ONLINE_KINDS
 from rollout.plan.definition import Plan
-from rollout.plan.memory import GIB
+from rollout.plan.memory import (
+    BYTES_PER_PARAM,
+    GenerationShape,
+    generation_shape,
+    size_text,
+    vllm_kv_room,
+)
 
 
 def explain(plan: Plan, console: Console) -> None:
@@ -84,9 +90,10 @@ def _batches(plan: Plan) -> Table:
             f"{derived.minibatch_size}, micro batch {derived.micro_batch_size}, "
             f"{algo.update_epochs} epoch(s)",
         )
-        table.add_row(
-            "engine", f"{gen.engine}, batch limit {gen.max_batch_size or algo.rollout_batch_size}"
-        )
+        shape = generation_shape(plan.config, plan.model, plan.graph, derived, plan.data)
+        if shape is not None:
+            for label, text in _generation_rows(plan, shape):
+                table.add_row(label, text)
     else:
         table.add_row(
             "per step",
@@ -95,6 +102,47 @@ def _batches(plan: Plan) -> Table:
         )
     table.add_row("lr", f"{algo.lr:g}, {algo.lr_schedule}, warmup {algo.warmup_steps}")
     return table
+
+
+def _generation_rows(plan: Plan, shape: GenerationShape) -> list[tuple[str, str]]:
+    """The engine, its batch limits, and the memory its batch takes."""
+    gen, model = plan.config.generation, plan.model
+    limit = gen.max_batch_size if gen.max_batch_size is not None else "none"
+    rows = [
+        (
+            "engine",
+            f"{gen.engine}: {shape.batch} sequences at once per actor process "
+            f"({shape.batch_reason}; generation.max_batch_size {limit}), context {shape.context} "
+            f"tokens ({shape.prompt_tokens} prompt + {shape.new_tokens} new)",
+        ),
+        (
+            "kv cache",
+            f"{size_text(shape.kv_cache_bytes)} = {shape.batch} sequences x {shape.context} "
+            f"tokens x {shape.kv_bytes_per_token} bytes (2 x {model.num_layers} layers x "
+            f"{model.num_kv_heads} kv heads x {model.head_dim} head dim x "
+            f"{BYTES_PER_PARAM[plan.derived.dtype]} bytes)",
+        ),
+    ]
+    if shape.packed_weight_bytes:
+        rows.append(
+            (
+                "packed",
+                f"{size_text(shape.packed_weight_bytes)}: the hf engine's MKL-packed copy of the "
+                "linear weights while it samples (float32 on CPU)",
+            )
+        )
+    if shape.engine == "vllm":
+        room = vllm_kv_room(plan.config, plan.model, plan.derived, plan.hardware, plan.graph, shape)
+        if room is not None:
+            rows.append(
+                (
+                    "vllm",
+                    f"share {gen.gpu_memory_utilization:g} = {size_text(room.share_bytes)}: "
+                    f"weights {size_text(room.weight_bytes)}, KV room for about "
+                    f"{room.sequences} sequences of {shape.context} tokens",
+                )
+            )
+    return rows
 
 
 def _graph(plan: Plan) -> Table:
@@ -169,4 +217,4 @@ def _environment(plan: Plan) -> Group:
 
 
 def _gib(size: int) -> str:
-    return f"{size / GIB:.2f} GiB" if size >= GIB / 100 else f"{size / 1024**2:.1f} MiB"
+    return size_text(size)

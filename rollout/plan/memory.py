@@ -4,15 +4,33 @@ The estimate is deliberately simple and slightly pessimistic: weights, gradients
 are exact byte counts; activations, logits and the KV cache use standard transformer formulas;
 the runtime (Python, torch, CUDA context) is a fixed allowance. All CPU processes of a node share
 one RAM budget; each GPU has its own.
+
+Generation is sized by `generation_shape`: how many sequences an actor process decodes at once
+(generation.max_batch_size, else the larger of its share of the rollout batch and its share of
+the evaluation prompts, which the hf engine also decodes in one chunk), for how many tokens
+(max_prompt_tokens + max_new_tokens). Its KV cache is layers x 2 (keys and values) x kv_heads x
+head_dim x dtype bytes per token, times batch x context. The hf engine on a float32 CPU model also
+keeps an MKL-packed copy of its linear weights while it samples (see PACK_MAX_BYTES below).
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
+from rollout.config.algorithm import ONLINE_KINDS
 from rollout.config.root import RunConfig
 from rollout.errors import Issue, PlanError
-from rollout.plan.definition import Derived, Graph, HardwareFacts, MemoryEstimate, ModelFacts
+from rollout.plan.definition import (
+    DataFacts,
+    Derived,
+    Graph,
+    HardwareFacts,
+    MemoryEstimate,
+    ModelFacts,
+)
 
 GIB = 1024**3
 BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -25,10 +43,132 @@ the rest)."""
 # estimate for a transformer block without recomputation (attention and MLP intermediates).
 _ACTIVATION_FACTOR = 34
 
+# The hf engine's weight packing, duplicated here because the planner never imports the engine
+# (it imports torch). The rule is rollout.engines.hf.should_pack: a Llama-family model whose
+# weights are float32 on the CPU, generating at least PACK_MIN_NEW_TOKENS tokens, and whose 2-D
+# weights take at most PACK_MAX_BYTES, decodes through MKL's packed GEMM, with a packed copy of
+# every linear layer (attention, MLP, and the head) alive while a chunk is sampled. A unit test
+# checks these constants against the engine's.
+PACK_MIN_NEW_TOKENS = 16
+"""rollout.engines.hf.PACK_MIN_NEW_TOKENS."""
+PACK_MAX_BYTES = 2 * GIB
+"""rollout.engines.hf.PACK_MAX_BYTES: the largest 2-D weights (in bytes) the engine packs."""
+PACKED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+"""model_types the engine decodes through its written-out (and packable) Llama step."""
+
+# Per sequence, sampling keeps three float32 [vocab] rows: the logits, their exponentials and the
+# running sum it draws from (rollout.engines.hf.sample_tokens).
+_SAMPLING_ROWS = 3
+
+
+@dataclass(frozen=True)
+class GenerationShape:
+    """What one actor process generates at once, and the memory that takes."""
+
+    engine: str
+    batch: int
+    """Sequences decoded at once by one actor process."""
+    batch_reason: str
+    """Where `batch` comes from, in words (for messages and `rollout plan --explain`)."""
+    prompt_tokens: int
+    new_tokens: int
+    kv_bytes_per_token: int
+    """2 (keys and values) x layers x kv_heads x head_dim x dtype bytes."""
+    packed_weight_bytes: int
+    """The hf engine's packed copy of the linear weights while it samples; 0 when it does not
+    pack (or for vllm)."""
+    sampling_bytes: int
+
+    @property
+    def context(self) -> int:
+        return self.prompt_tokens + self.new_tokens
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.batch * self.context * self.kv_bytes_per_token
+
+
+def generation_shape(
+    config: RunConfig,
+    model: ModelFacts,
+    graph: Graph,
+    derived: Derived,
+    data: Sequence[DataFacts] = (),
+) -> GenerationShape | None:
+    """The generation batch and its memory for one actor process; None if nothing generates."""
+    if config.algorithm.kind not in ONLINE_KINDS:
+        return None
+    gen, algo = config.generation, config.algorithm
+    actors = next((len(r.ranks) for r in graph.roles if r.role == "actor"), 1)
+    rollout = max(1, algo.rollout_batch_size // actors)
+    batch, reason = rollout, f"rollout batch {algo.rollout_batch_size} / {actors} actor process(es)"
+    evaluation = next((f for f in data if f.split == "eval"), None)
+    if evaluation is not None:
+        # Evaluation samples each rank's share of the eval prompts (n = 1) in one generate call.
+        per_rank = math.ceil(evaluation.num_records / graph.world_size)
+        if per_rank > batch:
+            batch = per_rank
+            reason = f"{evaluation.num_records} eval prompts / {graph.world_size} process(es)"
+    if gen.max_batch_size is not None and gen.max_batch_size < batch:
+        batch, reason = gen.max_batch_size, "generation.max_batch_size"
+    width = BYTES_PER_PARAM[derived.dtype]
+    hf = gen.engine == "hf"
+    return GenerationShape(
+        engine=gen.engine,
+        batch=batch,
+        batch_reason=reason,
+        prompt_tokens=gen.max_prompt_tokens,
+        new_tokens=gen.max_new_tokens,
+        kv_bytes_per_token=kv_bytes_per_token(model, width),
+        packed_weight_bytes=packed_weight_bytes(
+            model, derived.dtype, graph.device, gen.max_new_tokens
+        )
+        if hf
+        else 0,
+        sampling_bytes=batch * model.vocab_size * 4 * _SAMPLING_ROWS if hf else 0,
+    )
+
+
+def kv_bytes_per_token(model: ModelFacts, width: int) -> int:
+    """KV cache bytes per token: keys and values of every layer's kv heads."""
+    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * width
+
+
+def packed_weight_bytes(model: ModelFacts, dtype: str, device: str, new_tokens: int) -> int:
+    """Bytes of the hf engine's packed copy of the linear weights (0 when it does not pack)."""
+    if not (
+        device == "cpu"
+        and dtype == "float32"
+        and model.model_type in PACKED_MODEL_TYPES
+        and new_tokens >= PACK_MIN_NEW_TOKENS
+    ):
+        return 0
+    linear, head = _linear_weight_params(model)
+    embedding = 0 if model.tie_word_embeddings else model.vocab_size * model.hidden_size
+    two_d_bytes = (linear + head + embedding) * 4  # what should_pack weighs against the limit
+    if two_d_bytes > PACK_MAX_BYTES:
+        return 0
+    return (linear + head) * 4  # the head is packed too, even when it shares the embedding
+
+
+def _linear_weight_params(model: ModelFacts) -> tuple[int, int]:
+    """Elements of the decoder layers' linear weights (q, k, v, o, gate, up, down) and of the
+    head, from the architecture (biases and norms are 1-D and not packed)."""
+    hidden, attention = model.hidden_size, model.num_attention_heads * model.head_dim
+    kv = model.num_kv_heads * model.head_dim
+    per_layer = 2 * hidden * attention + 2 * hidden * kv + 3 * hidden * model.intermediate_size
+    return model.num_layers * per_layer, model.vocab_size * hidden
+
 
 def estimate_memory(
-    config: RunConfig, model: ModelFacts, graph: Graph, derived: Derived, hardware: HardwareFacts
+    config: RunConfig,
+    model: ModelFacts,
+    graph: Graph,
+    derived: Derived,
+    hardware: HardwareFacts,
+    shape: GenerationShape | None = None,
 ) -> list[MemoryEstimate]:
+    """Bytes by item for each device. `shape` is generation_shape's answer (None: no actor)."""
     per_device: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for process in graph.processes:
         if process.node != 0:  # every node has the same layout; node 0 stands for all
@@ -36,7 +176,7 @@ def estimate_memory(
         device = "cpu" if graph.device == "cpu" else process.device
         items = per_device[device]
         items["runtime"] += RUNTIME_BYTES[graph.device]
-        for name, size in _process_items(config, model, derived, process.roles).items():
+        for name, size in _process_items(config, model, derived, process.roles, shape).items():
             items[name] += size
         if "actor" in process.roles and config.generation.engine == "vllm":
             # vLLM takes a fixed share of the GPU for its weights and KV cache, whatever the batch.
@@ -48,14 +188,86 @@ def estimate_memory(
     ]
 
 
-def check_fits(estimates: list[MemoryEstimate], *, source: str | None = None) -> None:
-    issues = [_does_not_fit(e) for e in estimates if not e.fits]
+def check_fits(
+    estimates: list[MemoryEstimate],
+    *,
+    source: str | None = None,
+    shape: GenerationShape | None = None,
+    extra: Iterable[Issue] = (),
+) -> None:
+    """Raise PlanError for every device whose estimate exceeds what it can count on (and for the
+    `extra` issues, e.g. vllm_share_issues)."""
+    issues = [_does_not_fit(e, shape) for e in estimates if not e.fits]
+    issues.extend(extra)
     if issues:
         raise PlanError(issues, source=source)
 
 
+def vllm_share_issues(
+    config: RunConfig,
+    model: ModelFacts,
+    derived: Derived,
+    hardware: HardwareFacts,
+    graph: Graph,
+    shape: GenerationShape | None,
+) -> list[Issue]:
+    """vLLM must hold the weights and at least one full-length sequence's KV cache in its share."""
+    if shape is None or shape.engine != "vllm" or graph.device != "cuda":
+        return []
+    room = vllm_kv_room(config, model, derived, hardware, graph, shape)
+    if room is None or room.sequences >= 1:
+        return []
+    gen = config.generation
+    return [
+        Issue(
+            "generation.gpu_memory_utilization",
+            f"vLLM's share {gen.gpu_memory_utilization:g} of {gib(room.capacity_bytes)} is "
+            f"{gib(room.share_bytes)}, which cannot hold the weights ({gib(room.weight_bytes)}) "
+            f"and the KV cache of one {shape.context}-token sequence "
+            f"({size_text(shape.context * shape.kv_bytes_per_token)})",
+            value=gen.gpu_memory_utilization,
+            hint="raise generation.gpu_memory_utilization, or lower generation.max_prompt_tokens "
+            "and generation.max_new_tokens",
+        )
+    ]
+
+
+@dataclass(frozen=True)
+class VllmRoom:
+    capacity_bytes: int
+    share_bytes: int
+    weight_bytes: int
+    sequences: int
+    """Full-length sequences whose KV cache fits in the share beside the weights."""
+
+
+def vllm_kv_room(
+    config: RunConfig,
+    model: ModelFacts,
+    derived: Derived,
+    hardware: HardwareFacts,
+    graph: Graph,
+    shape: GenerationShape,
+) -> VllmRoom | None:
+    """How many full-length sequences vLLM's share holds, on the first actor's GPU."""
+    actor = next(
+        (p for p in graph.processes if "actor" in p.roles and p.device.startswith("cuda")), None
+    )
+    if actor is None:
+        return None
+    capacity = _capacity(actor.device, hardware)
+    share = int(capacity * config.generation.gpu_memory_utilization)
+    weights = model.num_parameters * BYTES_PER_PARAM[derived.dtype]
+    per_sequence = shape.context * shape.kv_bytes_per_token
+    return VllmRoom(capacity, share, weights, max(0, share - weights) // per_sequence)
+
+
 def _process_items(
-    config: RunConfig, model: ModelFacts, derived: Derived, roles: list[str]
+    config: RunConfig,
+    model: ModelFacts,
+    derived: Derived,
+    roles: list[str],
+    shape: GenerationShape | None,
 ) -> dict[str, int]:
     width = BYTES_PER_PARAM[derived.dtype]
     params = model.num_parameters
@@ -67,10 +279,12 @@ def _process_items(
         # AdamW keeps two fp32 moments, plus an fp32 master copy when training in half precision.
         items["optimizer"] += params * (8 if width == 4 else 12)
         items["activations"] += _activation_bytes(config, model, derived, width)
-    if "actor" in roles and config.generation.engine == "hf":
+    if "actor" in roles and shape is not None and shape.engine == "hf":
         if not trains:  # a colocated hf actor generates with the learner's own weights
             items["weights"] += params * width
-        items["kv_cache"] += _kv_cache_bytes(config, model, derived, width)
+        items["kv_cache"] += shape.kv_cache_bytes
+        items["sampling"] += shape.sampling_bytes
+        items["packed_weights"] += shape.packed_weight_bytes
     if "reference" in roles:
         items["reference_weights"] += params * width
     if "critic" in roles:
@@ -90,14 +304,6 @@ def _activation_bytes(config: RunConfig, model: ModelFacts, derived: Derived, wi
     # Logits and their log-softmax are kept in fp32 for a stable loss.
     logits = tokens * model.vocab_size * 4 * 2
     return blocks + attention + logits
-
-
-def _kv_cache_bytes(config: RunConfig, model: ModelFacts, derived: Derived, width: int) -> int:
-    batch = config.generation.max_batch_size or config.algorithm.rollout_batch_size
-    context = config.generation.max_prompt_tokens + config.generation.max_new_tokens
-    per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * width
-    sampling_logits = batch * model.vocab_size * 4
-    return batch * context * per_token + sampling_logits
 
 
 def _capacity(device: str, hardware: HardwareFacts) -> int:
@@ -120,9 +326,15 @@ def _estimate(device: str, items: dict[str, int], capacity: int) -> MemoryEstima
     )
 
 
+_GENERATION_KNOBS = (
+    "lower generation.max_batch_size, generation.max_new_tokens or generation.max_prompt_tokens"
+)
 _REMEDIES = {
     "activations": "lower algorithm.micro_batch_size or set model.gradient_checkpointing = true",
-    "kv_cache": "lower generation.max_batch_size or generation.max_new_tokens",
+    "kv_cache": _GENERATION_KNOBS,
+    "sampling": "lower generation.max_batch_size",
+    "packed_weights": 'use model.dtype = "bfloat16" (the hf engine packs float32 weights only) '
+    "or a smaller model",
     "optimizer": 'use model.dtype = "bfloat16" or a smaller model',
     "weights": 'use model.dtype = "bfloat16" or a smaller model',
     "gradients": 'use model.dtype = "bfloat16" or a smaller model',
@@ -134,20 +346,41 @@ _REMEDIES = {
 }
 
 
-def _does_not_fit(estimate: MemoryEstimate) -> Issue:
+def _does_not_fit(estimate: MemoryEstimate, shape: GenerationShape | None) -> Issue:
     kind = "cpu" if estimate.device == "cpu" else "cuda"
     usable = int(estimate.capacity_bytes * HEADROOM[kind])
     short = estimate.total_bytes - usable
     largest = sorted(estimate.items.items(), key=lambda kv: -kv[1])[:3]
     breakdown = ", ".join(f"{name} {gib(size)}" for name, size in largest)
-    return Issue(
-        "cluster",
+    message = (
         f"the plan needs {gib(estimate.total_bytes)} on {estimate.device} but can count on "
         f"{gib(usable)} ({HEADROOM[kind]:.0%} of {gib(estimate.capacity_bytes)}): short by "
-        f"{gib(short)}; largest items: {breakdown}",
-        hint=_REMEDIES.get(largest[0][0], "reduce batch sizes"),
+        f"{gib(short)}; largest items: {breakdown}"
+    )
+    hint = _REMEDIES.get(largest[0][0], "reduce batch sizes")
+    if shape is not None and "kv_cache" in estimate.items:
+        message += f"; {describe_kv_cache(shape)}"
+        if largest[0][0] == "kv_cache":
+            hint = (
+                f"{_GENERATION_KNOBS} (now {shape.batch}, {shape.new_tokens} and "
+                f"{shape.prompt_tokens}): the KV cache grows with each"
+            )
+    return Issue("cluster", message, hint=hint)
+
+
+def describe_kv_cache(shape: GenerationShape) -> str:
+    """The KV cache's size and where it comes from, in one line."""
+    return (
+        f"the KV cache holds {shape.batch} sequences ({shape.batch_reason}) x {shape.context} "
+        f"tokens (max_prompt_tokens {shape.prompt_tokens} + max_new_tokens {shape.new_tokens}) x "
+        f"{shape.kv_bytes_per_token} bytes per token = {size_text(shape.kv_cache_bytes)}"
     )
 
 
 def gib(size: int) -> str:
     return f"{size / GIB:.2f} GiB"
+
+
+def size_text(size: int) -> str:
+    """GiB from a hundredth of one up, MiB below: small models' items stay readable."""
+    return gib(size) if size >= GIB / 100 else f"{size / 1024**2:.1f} MiB"

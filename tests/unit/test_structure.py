@@ -26,8 +26,32 @@ ALLOWED = {
     "storage": {"storage", "config", "errors"},
     "executor": {"executor", "plan", "storage", "config", "errors"},
     "algorithms": {"algorithms"},
-    "cli": {"cli", "config", "plan", "executor", "storage", "schema", "errors", "__init__"},
+    "cli": {
+        "cli",
+        "config",
+        "plan",
+        "executor",
+        "storage",
+        "schema",
+        "errors",
+        "inference",
+        "serve",
+        "__init__",
+    },
+    # Batch inference composes a model, prompts and an engine, as a worker does.
+    "inference": {
+        "inference",
+        "config",
+        "plan",
+        "engines",
+        "runtime",
+        "storage",
+        "testing",
+        "errors",
+    },
 }
+# The server composes a model, an engine and the run store's checkpoints, as a worker does.
+ALLOWED["serve"] = {"serve", "engines", "config", "plan", "runtime", "storage", "errors"}
 FORBIDDEN_THIRD_PARTY = {
     "config": {"torch", "transformers", "typer", "rich"},
     "plan": {"torch", "transformers", "gguf", "vllm"},

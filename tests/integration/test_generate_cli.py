@@ -1,0 +1,287 @@
+"""`rollout generate` as a user runs it, on the tiny model: what the output holds, n, log-probs,
+Parquet, checkpoints, resuming after Ctrl-C and SIGKILL, and every bad input -> exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from rollout.cli.app import app
+from rollout.inference.output import parts_path, progress_path
+
+runner = CliRunner()
+
+QUESTIONS = [f"What is {i} + {i + 3}? Answer with just the number." for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory):
+    """ROLLOUT_CACHE for this module (the tiny model is built there once), here and in children."""
+    path = tmp_path_factory.mktemp("rollout-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ROLLOUT_CACHE", str(path))
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        yield path
+
+
+@pytest.fixture
+def work(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    records = [
+        {"prompt": q, "answer": str(2 * i + 3), "id": f"q{i}"} for i, q in enumerate(QUESTIONS)
+    ]
+    Path("prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return tmp_path
+
+
+def generate(*args: str) -> tuple[int, str]:
+    result = runner.invoke(app, ["generate", *args])
+    assert "Traceback" not in result.output, result.output
+    return result.exit_code, result.output
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+TINY = ("--model", "tiny-llama", "--max-new-tokens", "8")
+
+
+def test_outputs_hold_every_sample_with_its_prompt_fields(work):
+    code, output = generate("--prompts", "prompts.jsonl", "--out", "out.jsonl", *TINY, "--n", "3")
+    assert code == 0, output
+    assert "wrote out.jsonl: 36 records for 12 prompts" in output
+    records = read_jsonl("out.jsonl")
+    assert [(r["prompt_index"], r["sample_index"]) for r in records] == [
+        (p, s) for p in range(12) for s in range(3)
+    ]
+    from rollout.config.model import ModelSection
+    from rollout.plan.inspect_model import inspect_model
+    from rollout.runtime.models import apply_chat_template, load_model
+
+    facts = inspect_model(ModelSection(builtin="tiny-llama"), base_dir=work)
+    loaded = load_model(facts, ModelSection(builtin="tiny-llama"), dtype="float32", device="cpu")
+    for record in records:
+        assert record["prompt"] == QUESTIONS[record["prompt_index"]]
+        assert record["id"] == f"q{record['prompt_index']}"  # every field is carried over
+        assert record["completion_tokens"] == len(record["completion_ids"]) <= 8
+        assert record["finish_reason"] in ("eos", "stop", "length")
+        assert "logprobs" not in record
+        expected = apply_chat_template(
+            loaded.tokenizer, loaded.chat_template, record["prompt"], None
+        )
+        assert record["prompt_tokens"] == len(expected)
+        assert record["completion"] == loaded.tokenizer.decode(
+            record["completion_ids"], skip_special_tokens=True
+        )
+    # Three samples of one prompt are not three copies.
+    assert len({tuple(r["completion_ids"]) for r in records[:3]}) > 1
+
+
+def test_logprobs_and_sampling_flags(work):
+    code, output = generate(
+        "--prompts", "prompts.jsonl", "--out", "out.jsonl", *TINY, "--logprobs",
+        "--temperature", "0", "--limit", "4", "--carry", "id",
+    )  # fmt: skip
+    assert code == 0, output
+    records = read_jsonl("out.jsonl")
+    assert len(records) == 4
+    for record in records:
+        assert set(record) == {
+            "prompt_index", "sample_index", "id", "completion", "completion_ids",
+            "completion_tokens", "prompt_tokens", "finish_reason", "logprobs",
+        }  # fmt: skip
+        assert len(record["logprobs"]) == record["completion_tokens"]
+        assert all(lp <= 0.0 for lp in record["logprobs"])
+    settings = json.loads(progress_path(Path("out.jsonl")).read_text())["settings"]
+    assert settings["temperature"] == 0.0 and settings["limit"] == 4
+
+
+def test_same_seed_same_output_and_parquet_holds_the_same_records(work):
+    pq = pytest.importorskip("pyarrow.parquet")
+
+    def run(out: str, seed: str = "11") -> None:
+        code, output = generate(
+            "--prompts", "prompts.jsonl", "--out", out, *TINY, "--n", "2", "--seed", seed,
+            "--batch-size", "6",
+        )  # fmt: skip
+        assert code == 0, output
+
+    run("a.jsonl")
+    run("b.jsonl")
+    assert Path("a.jsonl").read_bytes() == Path("b.jsonl").read_bytes()
+    run("c.parquet")
+    assert pq.read_table("c.parquet").to_pylist() == read_jsonl("a.jsonl")
+    assert not parts_path(Path("c.parquet")).exists()
+    run("d.jsonl", seed="12")
+    assert Path("d.jsonl").read_bytes() != Path("a.jsonl").read_bytes()
+
+
+def test_a_finished_job_is_not_generated_again(work):
+    assert generate("--prompts", "prompts.jsonl", "--out", "o.jsonl", *TINY)[0] == 0
+    before = Path("o.jsonl").read_bytes()
+    code, output = generate("--prompts", "prompts.jsonl", "--out", "o.jsonl", *TINY)
+    assert code == 0 and "already complete: 12 records for 12 prompts" in output
+    assert Path("o.jsonl").read_bytes() == before
+
+
+def test_generate_from_a_runs_checkpoint_by_path_and_by_run_id(work, base_config, config_file):
+    """A run's checkpoint (saved as training saves it) and its plan's generation settings."""
+    from rollout.config.model import ModelSection
+    from rollout.plan.builder import build_plan
+    from rollout.plan.inspect_model import inspect_model
+    from rollout.runtime.checkpoint import save_checkpoint
+    from rollout.runtime.models import load_model
+    from rollout.storage import open_store
+
+    base_config["run"]["output_dir"] = str(work / "runs")
+    base_config["generation"]["max_new_tokens"] = 5
+    plan = build_plan(config_file(base_config))
+    run_dir = Path(plan.derived.run_dir)
+    plan.write(str(run_dir / "plan.lock"))
+    facts = inspect_model(ModelSection(builtin="tiny-llama"), base_dir=work)
+    loaded = load_model(facts, ModelSection(builtin="tiny-llama"), dtype="float32", device="cpu")
+    step = save_checkpoint(
+        plan.derived.artifacts, 3, model=loaded.model, tokenizer=loaded.tokenizer,
+        optimizer=None, scheduler=None, trainer_state={}, keep_last=2,
+    )  # fmt: skip
+    store = open_store(plan.derived.store)
+    store.create_run(
+        plan.run_id, name="t", plan_sha256="x", plan_path=str(run_dir / "plan.lock"),
+        run_dir=str(run_dir),
+    )  # fmt: skip
+    store.close()
+
+    code, output = generate(
+        "--prompts", "prompts.jsonl", "--out", "a.jsonl", "--checkpoint", str(step)
+    )
+    assert code == 0, output
+    assert all(r["completion_tokens"] <= 5 for r in read_jsonl("a.jsonl"))  # the run's setting
+    code, output = generate(
+        "--prompts", "prompts.jsonl", "--out", "b.jsonl", "--checkpoint", plan.run_id,
+        "--store", plan.derived.store,
+    )  # fmt: skip
+    assert code == 0, output
+    assert f"checkpoint {step}" in output
+    assert Path("a.jsonl").read_bytes() == Path("b.jsonl").read_bytes()
+    code, output = generate(
+        "--prompts", "prompts.jsonl", "--out", "c.jsonl", "--checkpoint", str(run_dir)
+    )
+    assert code == 0, output
+    assert Path("c.jsonl").read_bytes() == Path("a.jsonl").read_bytes()
+
+
+# --- resuming -------------------------------------------------------------------------------------
+
+
+MANY = [{"prompt": f"Count to {i}.", "n": i} for i in range(120)]
+JOB = ("--prompts", "many.jsonl", *TINY, "--n", "2", "--batch-size", "2", "--seed", "5")
+"""120 prompts, one per chunk of 2 completions: a few seconds of generation, 120 chunks."""
+
+
+def start(work: Path, cache: Path) -> subprocess.Popen:
+    """`rollout generate` of JOB into out.jsonl, in its own process."""
+    env = {**os.environ, "ROLLOUT_CACHE": str(cache), "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "rollout", "generate", *JOB, "--out", "out.jsonl"],
+        cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def wait_for_progress(out: Path, at_least: int, process: subprocess.Popen) -> int:
+    """Prompts done once the progress file says at least `at_least` (the process still running)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()[0]
+        try:
+            done = json.loads(progress_path(out).read_text())["prompts_done"]
+        except (FileNotFoundError, json.JSONDecodeError):
+            done = 0
+        if done >= at_least:
+            return done
+        time.sleep(0.005)
+    raise AssertionError("no progress")
+
+
+def finish_and_compare(work: Path, cache: Path) -> None:
+    """Run the job to its end; it must hold what an uninterrupted run writes, byte for byte."""
+    last = start(work, cache)
+    output = last.communicate(timeout=300)[0]
+    assert last.returncode == 0, output
+    assert "resuming after" in output
+    resumed = read_jsonl(work / "out.jsonl")
+    keys = [(r["prompt_index"], r["sample_index"]) for r in resumed]
+    assert keys == [(p, s) for p in range(120) for s in range(2)]  # none missing, none twice
+    assert [r["n"] for r in resumed[::2]] == list(range(120))
+    code, output = generate(*JOB, "--out", "reference.jsonl")
+    assert code == 0, output
+    assert (work / "reference.jsonl").read_bytes() == (work / "out.jsonl").read_bytes()
+
+
+def test_resume_after_sigkill_loses_and_repeats_nothing(work, cache):
+    Path("many.jsonl").write_text("".join(json.dumps(r) + "\n" for r in MANY))
+    out = work / "out.jsonl"
+    first = start(work, cache)
+    killed_at = wait_for_progress(out, 10, first)
+    first.kill()  # SIGKILL: no handler runs; a chunk may be half-written
+    first.wait(timeout=60)
+    assert killed_at < 120, "the job finished before it could be killed"
+    finish_and_compare(work, cache)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_after_the_last_chunk_and_resumes(work, cache):
+    Path("many.jsonl").write_text("".join(json.dumps(r) + "\n" for r in MANY))
+    out = work / "out.jsonl"
+    first = start(work, cache)
+    wait_for_progress(out, 10, first)
+    first.send_signal(signal.SIGINT)
+    output = first.communicate(timeout=60)[0]
+    assert first.returncode == 130, output
+    assert "interrupted" in output and "run the same command again to continue" in output
+    assert 10 <= json.loads(progress_path(out).read_text())["prompts_done"] < 120
+    finish_and_compare(work, cache)
+
+
+# --- mistakes -> exit 2 ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (("--prompts", "missing.jsonl"), "prompt file not found"),
+        (("--prompts", "prompts.jsonl", "--field", "question"), "record 1 (line 1)"),
+        (("--prompts", "prompts.jsonl", "--max-new-tokens", "1020"), "beyond the model's context of 1024"),
+        (("--prompts", "prompts.jsonl", "--model", "no-such-model"), "no model 'no-such-model'"),
+        (("--prompts", "prompts.jsonl", "--temperature", "-1"), "--temperature: must be at least 0"),
+        (("--prompts", "prompts.jsonl", "--carry", "nope"), "no record of"),
+        (("--prompts", "prompts.jsonl", "--out", "out.csv"), "cannot tell the format of out.csv"),
+    ],
+)  # fmt: skip
+def test_mistakes_exit_2_with_one_clear_message(work, args, expected):
+    defaults = {"--out": "out.jsonl", "--model": "tiny-llama"}
+    given = dict(zip(args[::2], args[1::2], strict=True))
+    argv = [item for key, value in {**defaults, **given}.items() for item in (key, value)]
+    code, output = generate(*argv)
+    assert code == 2, output
+    assert expected in " ".join(output.split()), output
+    assert "error" in output
+    assert not Path("out.jsonl").exists()  # nothing is started before everything checks out
+
+
+def test_an_output_of_other_settings_is_not_resumed(work):
+    assert generate("--prompts", "prompts.jsonl", "--out", "o.jsonl", *TINY, "--limit", "2")[0] == 0
+    code, output = generate("--prompts", "prompts.jsonl", "--out", "o.jsonl", *TINY, "--limit", "3")
+    assert code == 2
+    assert "holds the output of another job: changed limit 2 -> 3" in " ".join(output.split())
+    Path("mine.jsonl").write_text("{}\n")
+    code, output = generate("--prompts", "prompts.jsonl", "--out", "mine.jsonl", *TINY)
+    assert code == 2 and "--overwrite" in output
