@@ -300,6 +300,8 @@ def _checkpoint_at(path: Path) -> FoundCheckpoint:
         return _latest(plan)
     if any(_STEP_DIR.fullmatch(entry.name) for entry in path.iterdir() if entry.is_dir()):
         return _latest_in(path, _plan_beside(path))
+    if (path / "checkpoints").is_dir():  # a run directory without its plan.lock
+        return _latest_in(path / "checkpoints", None)
     raise RolloutError(
         Issue(
             "--checkpoint", f"{path} is not a checkpoint or a run directory", hint=_CHECKPOINT_HINT

@@ -37,8 +37,8 @@ from rollout.runtime.offline_objectives import (
     build_reward_model,
     sequence_sums,
 )
+from rollout.runtime.recording import gather_by_rank, record_metrics
 from rollout.runtime.reference_cache import FILE_NAME, cache_key, cached_reference
-from rollout.runtime.transport import all_gather_json
 from rollout.runtime.worker import WorkerContext
 from rollout.storage.writer import BackgroundWriter
 
@@ -79,7 +79,7 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
         run.stream.load_state_dict(state["cursor"][str(ctx.rank)])
         log.info("resumed from %s at step %d", latest, start)
     elif run.eval is not None:
-        _record(ctx, writer, 0, _evaluate(ctx, run))
+        record_metrics(ctx, writer, 0, _evaluate(ctx, run))
 
     total = plan.derived.total_steps
     log.info("training %s for steps %d..%d", config.algorithm.kind, start + 1, total)
@@ -96,12 +96,12 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
         metrics["perf/step_s"] = elapsed
         metrics["perf/samples_per_s"] = per_rank * ctx.world_size / elapsed
         metrics["perf/tokens_per_s"] = tokens * ctx.world_size / elapsed
-        _record(ctx, writer, step, metrics)
+        record_metrics(ctx, writer, step, metrics)
 
         last = step == total
         interval = config.run.eval_interval
         if run.eval is not None and (last or (interval and step % interval == 0)):
-            _record(ctx, writer, step, _evaluate(ctx, run))
+            record_metrics(ctx, writer, step, _evaluate(ctx, run))
         if last or step % config.checkpoint.interval == 0:
             _checkpoint(ctx, run, checkpoints, step, writer)
 
@@ -294,31 +294,12 @@ def _average_gradients(model: Any, world_size: int) -> None:
             param.grad /= world_size
 
 
-def _record(
-    ctx: WorkerContext, writer: BackgroundWriter, step: int, metrics: Mapping[str, float]
-) -> None:
-    """Average metrics over ranks; rank 0 writes them (off the hot path, via the writer)."""
-    values = dict(metrics)
-    if ctx.world_size > 1:
-        names = sorted(values)
-        stacked = torch.tensor([values[n] for n in names], dtype=torch.float64)
-        dist.all_reduce(stacked)
-        values = dict(zip(names, (stacked / ctx.world_size).tolist(), strict=True))
-    if ctx.is_main:
-        writer.write_metrics(ctx.plan.run_id, step, values)
-
-
 def _checkpoint(
     ctx: WorkerContext, run: Run, root: Path, step: int, writer: BackgroundWriter
 ) -> None:
     """Rank 0 saves (ranks hold identical weights); every rank's data cursor goes with it."""
     writer.flush()  # every metric and log line of the steps it covers reaches the store first
-    cursor = run.stream.state_dict()
-    cursors = (
-        {"0": cursor}
-        if ctx.world_size == 1
-        else {str(rank): c for rank, c in enumerate(all_gather_json(cursor))}
-    )
+    cursors = gather_by_rank(ctx, run.stream.state_dict())
     if ctx.is_main and step > 0:
         saved_optimizer = ctx.plan.config.checkpoint.save_optimizer
         path = save_checkpoint(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from rollout.algorithms.advantages import ADVANTAGE_ESTIMATORS
-from rollout.engines.base import SamplingParams
+from rollout.engines.base import Engine, SamplingParams
 from rollout.engines.hf import HfEngine
 from rollout.harness.reward_runner import RewardRunner
 from rollout.plan.builder import derive_seed
@@ -29,7 +29,6 @@ from rollout.runtime.checkpoint import (
     Extra,
     latest_checkpoint,
     load_checkpoint,
-    rng_state,
     save_checkpoint,
     set_rng_state,
 )
@@ -43,8 +42,8 @@ from rollout.runtime.critic import Critic, value_model_for
 from rollout.runtime.evaluate import evaluate
 from rollout.runtime.learner import Learner, LearnerKnobs
 from rollout.runtime.models import apply_chat_template, load_model
+from rollout.runtime.recording import gather_by_rank, gather_rng, record_metrics
 from rollout.runtime.shaping import TokenAdvantages
-from rollout.runtime.transport import all_gather_json
 from rollout.runtime.worker import WorkerContext
 from rollout.storage.writer import BackgroundWriter
 
@@ -55,11 +54,17 @@ log = logging.getLogger("rollout.trainer")
 class Roles:
     actor: Actor
     learner: Learner
-    engine: HfEngine
+    engine: Engine
     tokenizer: object
     prompt_format: PromptFormat
     token_advantages: TokenAdvantages | None = None
     """PPO and REINFORCE++: scores the actor's batch per token before the learner sees it."""
+
+    def sync_weights(self, version: int) -> None:
+        """The learner's weights to the engine: the hf engine shares the learner's module (only
+        the version moves); vLLM keeps its own copy, which takes every tensor in place."""
+        shared = isinstance(self.engine, HfEngine)
+        self.engine.load_weights(None if shared else self.learner.model.state_dict(), version)
 
     def extras(self) -> dict[str, Extra]:
         """What a checkpoint saves beside the policy: the critic, or the value head."""
@@ -97,10 +102,10 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
         # The checkpoint's RNG files are rank 0's; every other rank's travel in the trainer state.
         if str(ctx.rank) in state.get("rng", {}):
             set_rng_state(state["rng"][str(ctx.rank)])
-        roles.engine.load_weights(None, version=state["policy_version"])
+        roles.sync_weights(state["policy_version"])
         log.info("resumed from %s at step %d", latest, start)
     elif eval_rows:
-        _record(
+        record_metrics(
             ctx,
             writer,
             0,
@@ -127,19 +132,19 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
             batch, shaping_metrics = roles.token_advantages(batch)
             metrics.update(shaping_metrics)
         metrics.update({f"train/{k}": v for k, v in roles.learner.update(batch).items()})
-        roles.engine.load_weights(None, version=step)  # colocated: the engine shares the module
+        roles.sync_weights(step)
         elapsed = time.perf_counter() - started
         metrics["perf/train_s"] = time.perf_counter() - learn_started
         metrics["perf/step_s"] = elapsed
         metrics["perf/completions_per_s"] = len(rollout.batch) * ctx.world_size / elapsed
         metrics["perf/tokens_per_s"] = metrics["perf/generated_tokens"] * ctx.world_size / elapsed
-        _record(ctx, writer, step, metrics)
+        record_metrics(ctx, writer, step, metrics)
 
         last = step == plan.derived.total_steps
         if eval_rows and (
             last or (config.run.eval_interval and step % config.run.eval_interval == 0)
         ):
-            _record(
+            record_metrics(
                 ctx,
                 writer,
                 step,
@@ -168,14 +173,7 @@ def _build_roles(ctx: WorkerContext) -> Roles:
     model = loaded.model.to(ctx.device)
     if config.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    engine = HfEngine(
-        model,
-        eos_token_ids=loaded.eos_token_ids,
-        pad_token_id=loaded.pad_token_id,
-        tokenizer=loaded.tokenizer,
-        max_batch_size=gen.max_batch_size,
-        device=ctx.device,
-    )
+    engine = _build_engine(ctx, loaded, model)
     fields = config.data.fields.model_dump()
 
     def encode(text: str) -> list[int]:
@@ -266,6 +264,35 @@ def _build_roles(ctx: WorkerContext) -> Roles:
     )
 
 
+def _build_engine(ctx: WorkerContext, loaded, model: torch.nn.Module) -> Engine:
+    plan, gen = ctx.plan, ctx.plan.config.generation
+    if gen.engine == "vllm":
+        # vLLM loads a model directory of its own: the policy as loaded (GGUF dequantized,
+        # overrides applied) is written once to the run directory, then synced after each step.
+        from rollout.engines.vllm import VllmEngine
+
+        directory = Path(plan.derived.run_dir) / "engine-model" / f"rank-{ctx.rank}"
+        model.save_pretrained(directory)
+        loaded.tokenizer.save_pretrained(directory)
+        return VllmEngine(
+            str(directory),
+            eos_token_ids=loaded.eos_token_ids,
+            dtype=plan.derived.dtype,
+            seed=derive_seed(plan.seeds.sampling, f"engine:{ctx.rank}"),
+            gpu_memory_utilization=gen.gpu_memory_utilization,
+            max_model_len=gen.max_prompt_tokens + gen.max_new_tokens,
+            max_num_seqs=gen.max_batch_size,
+        )
+    return HfEngine(
+        model,
+        eos_token_ids=loaded.eos_token_ids,
+        pad_token_id=loaded.pad_token_id,
+        tokenizer=loaded.tokenizer,
+        max_batch_size=gen.max_batch_size,
+        device=ctx.device,
+    )
+
+
 def _sequence_advantages(algo) -> Callable[[torch.Tensor, int], torch.Tensor]:
     """The actor's advantage per completion. PPO and REINFORCE++ compute theirs per token
     afterwards (TokenAdvantages), so the actor's are zeros they replace."""
@@ -292,20 +319,6 @@ def _build_critic(model: torch.nn.Module, algo, optimizer_steps: int) -> Critic:
     )
 
 
-def _record(
-    ctx: WorkerContext, writer: BackgroundWriter, step: int, metrics: Mapping[str, float]
-) -> None:
-    """Average metrics over ranks; rank 0 writes them (off the hot path, via the writer)."""
-    values = dict(metrics)
-    if ctx.world_size > 1:
-        names = sorted(values)
-        stacked = torch.tensor([values[n] for n in names], dtype=torch.float64)
-        dist.all_reduce(stacked)
-        values = dict(zip(names, (stacked / ctx.world_size).tolist(), strict=True))
-    if ctx.is_main:
-        writer.write_metrics(ctx.plan.run_id, step, values)
-
-
 def _checkpoint(
     ctx: WorkerContext, roles: Roles, stream, root: Path, step: int, writer: BackgroundWriter
 ) -> None:
@@ -313,8 +326,8 @@ def _checkpoint(
     # Everything recorded up to this step reaches the store before the checkpoint exists, so a
     # crash after it loses no metric or log line of the steps it covers.
     writer.flush()
-    cursors = _gather_cursors(ctx, stream.state_dict())
-    rng = _gather_rng(ctx)
+    cursors = gather_by_rank(ctx, stream.state_dict())
+    rng = gather_rng(ctx)
     if ctx.is_main and step > 0:
         with_optimizer = ctx.plan.config.checkpoint.save_optimizer
         path = save_checkpoint(
@@ -337,17 +350,3 @@ def _checkpoint(
         log.info("checkpoint %s", path)
     if ctx.world_size > 1:
         dist.barrier()
-
-
-def _gather_rng(ctx: WorkerContext) -> dict[str, dict]:
-    """Every rank's RNG states but rank 0's (the checkpoint's own RNG files hold those)."""
-    if ctx.world_size == 1:
-        return {}
-    states = all_gather_json(rng_state())
-    return {str(rank): state for rank, state in enumerate(states) if rank > 0}
-
-
-def _gather_cursors(ctx: WorkerContext, cursor: dict) -> dict[str, dict]:
-    if ctx.world_size == 1:
-        return {"0": cursor}
-    return {str(rank): c for rank, c in enumerate(all_gather_json(cursor))}

@@ -219,51 +219,11 @@ def _section(flag: str, **fields: Any) -> ModelSection:
 
 
 def _checkpoint_dir(checkpoint: str) -> Path:
-    """The step directory --checkpoint names: itself, the latest in a run or checkpoints
-    directory, or the latest of a run id's artifacts."""
-    from rollout.runtime.checkpoint import latest_checkpoint
+    """The step directory --checkpoint names (a step, run or checkpoints directory, or a run
+    id), found as `rollout generate --checkpoint` finds it."""
+    from rollout.inference.models import find_checkpoint
 
-    path = Path(checkpoint).expanduser()
-    if not path.exists():
-        path = _run_checkpoints(checkpoint)
-    if (path / "model").is_dir():
-        return path
-    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    latest = latest_checkpoint(root)
-    if latest is None:
-        raise RolloutError(
-            Issue(
-                "--checkpoint",
-                f"{root} holds no complete checkpoint",
-                hint="give a step directory such as runs/<id>/checkpoints/step-000010",
-            )
-        )
-    return latest
-
-
-def _run_checkpoints(run_id: str) -> Path:
-    """A run id's checkpoint root, from the run store's record of it."""
-    from rollout.plan.definition import Plan
-    from rollout.storage import check_run_id, default_store_location, find_run, open_store
-
-    check_run_id(run_id)
-    location = default_store_location()
-    try:
-        store = open_store(location, create=False)
-    except RolloutError:
-        raise RolloutError(
-            Issue(
-                "--checkpoint",
-                f"{run_id!r} is neither a directory nor a run of a run store",
-                hint="give a step directory such as runs/<id>/checkpoints/step-000010",
-            )
-        ) from None
-    try:
-        record = find_run(store, run_id, location)
-    finally:
-        store.close()
-    plan = Plan.from_file(record.plan_path, check_fresh=False)
-    return Path(plan.derived.artifacts.removeprefix("file://"))
+    return find_checkpoint(checkpoint).model_dir.parent
 
 
 def _step(step_dir: Path) -> int:

@@ -388,7 +388,7 @@ def test_a_checkpoint_is_served_with_its_step_as_policy_version(tiny, tmp_path):
     finally:
         server.stop()
         thread.join(WAIT_S)
-    with pytest.raises(RolloutError, match="no complete checkpoint"):
+    with pytest.raises(RolloutError, match="not a checkpoint or a run directory"):
         resolve_source(config=None, model=None, checkpoint=str(tmp_path), name=None)
 
 

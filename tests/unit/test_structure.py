@@ -51,7 +51,16 @@ ALLOWED = {
     },
 }
 # The server composes a model, an engine and the run store's checkpoints, as a worker does.
-ALLOWED["serve"] = {"serve", "engines", "config", "plan", "runtime", "storage", "errors"}
+ALLOWED["serve"] = {
+    "serve",
+    "engines",
+    "config",
+    "plan",
+    "runtime",
+    "storage",
+    "errors",
+    "inference",
+}
 FORBIDDEN_THIRD_PARTY = {
     "config": {"torch", "transformers", "typer", "rich"},
     "plan": {"torch", "transformers", "gguf", "vllm"},
