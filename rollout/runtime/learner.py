@@ -81,9 +81,15 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = self._token_count(minibatch)
         metrics: dict[str, float] = defaultdict(float)
-        micro_count = len(minibatch) // knobs.micro_batch_size
+        computed: list[dict[str, float]] = []
+        skipped = 0
         for start in range(0, len(minibatch), knobs.micro_batch_size):
             micro = minibatch.select(list(range(start, start + knobs.micro_batch_size)))
+            rows = self._rows_with_gradient(micro)
+            skipped += len(micro) - len(rows)
+            if not rows:
+                continue
+            micro = micro.select(rows) if len(rows) < len(micro) else micro
             padded = pad_for_learner(micro, self.pad_token_id, self.device)
             loss, stats = self._loss(micro, padded, total_tokens, len(minibatch))
             if self.critic is not None:
@@ -95,8 +101,12 @@ class Learner:
                 else:
                     critic_loss.backward()
             loss.backward()
+            computed.append(stats)
+        for stats in computed:
             for name, value in stats.items():
-                metrics[name] += value / micro_count
+                metrics[name] += value / len(computed)
+        metrics["skipped_fraction"] = skipped / len(minibatch)
+        self._fill_missing_gradients()
         self._average_gradients(self._trained_parameters())
         metrics["grad_norm"] = self._clip()
         if self.critic is not None and not self.critic.shares_policy:
@@ -110,6 +120,27 @@ class Learner:
         self.optimizer_steps += 1
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         return metrics
+
+    def _rows_with_gradient(self, micro: RolloutBatch) -> list[int]:
+        """The rows whose loss can have a gradient. With no KL term and no critic, a completion
+        whose advantage is 0 (every token's, for per-token advantages) contributes exactly 0 to
+        the policy loss of every aggregation, so its forward and backward are skipped: in GRPO
+        every group whose completions scored alike. The token counts that normalize the loss
+        still include it, so the update is the one the whole batch gives."""
+        everything = list(range(len(micro)))
+        if self.critic is not None or (self.reference is not None and self.knobs.kl_coef > 0):
+            return everything
+        if micro.token_advantages is not None:
+            return [i for i in everything if any(a != 0 for a in micro.token_advantages[i])]
+        return [i for i in everything if micro.advantages[i].item() != 0]
+
+    def _fill_missing_gradients(self) -> None:
+        """Zero gradients where no backward reached (every row skipped): AdamW then still moves
+        its moments and decays the weights as for a zero gradient, and data-parallel ranks all
+        reduce the same tensors."""
+        for param in self._trained_parameters():
+            if param.grad is None and param.requires_grad:
+                param.grad = torch.zeros_like(param)
 
     def _loss(
         self, micro: RolloutBatch, padded: PaddedBatch, total_tokens: float, minibatch_size: int

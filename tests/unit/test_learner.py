@@ -150,3 +150,50 @@ def _plain_logprobs(model, batch: RolloutBatch, pad_id: int, temperature: float)
         logits_to_keep=padded.logits_to_keep,
     ).logits[:, :-1]
     return token_logprobs(logits, padded.targets, temperature) * padded.completion_mask
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "sequence_mean", "batch_token_mean", "constant"])
+@pytest.mark.parametrize("micro", [8, 2])
+def test_skipping_zero_advantage_rows_changes_no_update(
+    tiny_llama, rollout_batch, mode, micro, monkeypatch
+):
+    """Rows 6 and 7 have advantage 0 (with micro batches of 2, a whole micro batch): skipping
+    their forward and backward gives the same weights as computing them."""
+    updated = []
+    for skip in (True, False):
+        model = copy.deepcopy(tiny_llama.model)
+        settings = knobs(micro_batch_size=micro, loss_aggregation=mode)
+        learner = learner_for(model, settings, tiny_llama.pad_token_id, lr=1.0)
+        if not skip:  # the reference: every row computed
+            monkeypatch.setattr(learner, "_rows_with_gradient", lambda m: list(range(len(m))))
+        metrics = learner.update(rollout_batch)
+        assert metrics["skipped_fraction"] == (0.25 if skip else 0.0)
+        updated.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    torch.testing.assert_close(updated[0], updated[1], rtol=1e-5, atol=1e-7)
+
+
+def test_a_batch_without_signal_still_steps_adamw_as_for_zero_gradients(tiny_llama, rollout_batch):
+    """Every advantage 0: nothing is computed, yet AdamW applies weight decay and its moments
+    exactly as it would for the zero gradients a full computation gives."""
+    batch = rollout_batch.select(list(range(8)))
+    batch.advantages = torch.zeros(8)
+    updated = []
+    for skip in (True, False):
+        model = copy.deepcopy(tiny_llama.model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+        learner = Learner(
+            model,
+            optimizer,
+            scheduler,
+            knobs(),
+            pad_token_id=tiny_llama.pad_token_id,
+            device="cpu",
+        )
+        if not skip:
+            learner._rows_with_gradient = lambda m: list(range(len(m)))
+        learner.update(batch)
+        updated.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    original = torch.cat([p.detach().flatten() for p in tiny_llama.model.parameters()])
+    assert not torch.equal(updated[0], original)  # weight decay moved them
+    torch.testing.assert_close(updated[0], updated[1])
