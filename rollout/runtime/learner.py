@@ -101,6 +101,8 @@ class Learner:
                 else:
                     critic_loss.backward()
             loss.backward()
+            # The micro batches' losses are parts of the minibatch's: their sum is its loss.
+            metrics["loss"] += loss.item()
             computed.append(stats)
         for stats in computed:
             for name, value in stats.items():
