@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rollout.algorithms.losses import grpo_loss, token_logprobs
+from rollout.algorithms.losses import entropy_from_logits, grpo_loss, token_logprobs
 from rollout.runtime.batch import PaddedBatch, RolloutBatch, pad_for_learner
 from rollout.runtime.critic import Critic
 from rollout.runtime.shared_prefix import (
@@ -148,7 +149,8 @@ class Learner:
         self, micro: RolloutBatch, padded: PaddedBatch, total_tokens: float, minibatch_size: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
         knobs = self.knobs
-        logprobs = self.completion_logprobs(self.model, micro, padded)
+        # The entropy is reported, not optimized: one more pass over the completion logits.
+        logprobs, entropy = self._scores(self.model, micro, padded, entropy=True)
         ref_logprobs = None
         if self.reference is not None and knobs.kl_coef > 0:
             with torch.no_grad():
@@ -168,6 +170,7 @@ class Learner:
             total_tokens=total_tokens,
             num_sequences=minibatch_size,
             max_new_tokens=knobs.max_new_tokens,
+            entropy=entropy,
         )
         return loss * scale, stats
 
@@ -176,6 +179,12 @@ class Learner:
     ) -> torch.Tensor:
         """[B, K] log-probs of the completion tokens; vocabulary logits only where needed, and
         a prompt shared by several completions run once (rollout.runtime.shared_prefix)."""
+        return self._scores(model, micro, padded, entropy=False)
+
+    def _scores(
+        self, model: torch.nn.Module, micro: RolloutBatch, padded: PaddedBatch, *, entropy: bool
+    ) -> Any:
+        """completion_logprobs, and with `entropy` the entropy at each position too (a pair)."""
         if shares_prompts(micro) and supports_shared_prefix(model):
             return shared_prefix_logprobs(
                 model,
@@ -183,6 +192,7 @@ class Learner:
                 pad_token_id=self.pad_token_id,
                 device=self.device,
                 temperature=self.knobs.temperature,
+                entropy=entropy,
             )
         logits = model(
             input_ids=padded.input_ids,
@@ -190,7 +200,11 @@ class Learner:
             position_ids=padded.position_ids,
             logits_to_keep=padded.logits_to_keep,
         ).logits[:, :-1]
-        return token_logprobs(logits, padded.targets, self.knobs.temperature)
+        logprobs = token_logprobs(logits, padded.targets, self.knobs.temperature)
+        if not entropy:
+            return logprobs
+        with torch.no_grad():
+            return logprobs, entropy_from_logits(logits.detach(), self.knobs.temperature)
 
     def _token_count(self, minibatch: RolloutBatch) -> float:
         """Completion tokens the loss is normalized by: this rank's minibatch, or, for

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from rollout.algorithms.losses import token_logprobs
+from rollout.algorithms.losses import entropy_from_logits, token_logprobs
 from rollout.runtime.batch import RolloutBatch
 
 
@@ -43,9 +43,11 @@ def shared_prefix_logprobs(
     pad_token_id: int,
     device: torch.device | str,
     temperature: float,
-) -> torch.Tensor:
+    entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log softmax(logits / temperature) of each completion token: [B, K] float32, K the longest
-    completion, left-padded as in PaddedBatch (zeros where a row has no token)."""
+    completion, left-padded as in PaddedBatch (zeros where a row has no token). With
+    `entropy`, also the policy's entropy at each of those positions ([B, K], no gradient)."""
     distinct: dict[tuple[int, ...], int] = {}
     row_prompt = [distinct.setdefault(tuple(p), len(distinct)) for p in batch.prompt_ids]
     prompts = [list(p) for p in distinct]
@@ -95,7 +97,13 @@ def shared_prefix_logprobs(
     # for k = 0, the completion's position k - 1 after that.
     logits = torch.cat([prompt_out.logits[rows], out.logits[:, : longest - 1]], dim=1)
     right = token_logprobs(logits, completion_ids.to(device), temperature)  # [B, K], from col 0
-    return _align_right(right, lengths) * _right_mask(lengths, longest).to(right.device)
+    mask = _right_mask(lengths, longest).to(right.device)
+    logprobs = _align_right(right, lengths) * mask
+    if not entropy:
+        return logprobs
+    with torch.no_grad():
+        entropies = entropy_from_logits(logits.detach(), temperature)
+    return logprobs, _align_right(entropies, lengths) * mask
 
 
 def _align_right(values: torch.Tensor, lengths: list[int]) -> torch.Tensor:

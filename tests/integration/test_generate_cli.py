@@ -195,7 +195,14 @@ def start(work: Path, cache: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "rollout", "generate", *JOB, "--out", "out.jsonl"],
         cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        # A shell that runs the tests in the background starts them with SIGINT ignored, and
+        # Python then installs no KeyboardInterrupt handler: give the job Ctrl-C back.
+        preexec_fn=_default_sigint,
     )  # fmt: skip
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_for_progress(out: Path, at_least: int, process: subprocess.Popen) -> int:

@@ -29,6 +29,14 @@ def sevens(prompts, completions, **_):
     return [c.count("7") / max(1, len(c)) for c in completions]
 '''
 
+SLOW_REWARD = """
+import time
+
+def slow(prompts, completions, **_):
+    time.sleep(0.3)  # keeps each step long enough for the test to kill the run mid-way
+    return [0.0 for _ in completions]
+"""
+
 BROKEN_REWARD = """
 def flaky(prompts, completions, **_):
     return [float("nan") if i == 2 else 0.0 for i, _ in enumerate(completions)]
@@ -40,6 +48,7 @@ def workdir(tmp_path: Path) -> Path:
     shutil.copytree(EXAMPLES, tmp_path / "examples")
     (tmp_path / "examples" / "sevens.py").write_text(LEARNABLE_REWARD)
     (tmp_path / "examples" / "flaky.py").write_text(BROKEN_REWARD)
+    (tmp_path / "examples" / "slow.py").write_text(SLOW_REWARD)
     return tmp_path
 
 
@@ -170,6 +179,8 @@ def test_killed_run_resumes_without_repeating_or_skipping_prompts(workdir):
         "checkpoint.interval=2",
         "--set",
         "data.eval=null",
+        "--set",
+        "rewards=[{ fn = './slow.py:slow' }]",
         "--set",
         "logging.level='debug'",
     )

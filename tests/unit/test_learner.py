@@ -197,3 +197,37 @@ def test_a_batch_without_signal_still_steps_adamw_as_for_zero_gradients(tiny_lla
     original = torch.cat([p.detach().flatten() for p in tiny_llama.model.parameters()])
     assert not torch.equal(updated[0], original)  # weight decay moved them
     torch.testing.assert_close(updated[0], updated[1])
+
+
+def test_the_learner_reports_the_policy_entropy(tiny_llama, rollout_batch):
+    """Entropy at each completion token, the same from the shared-prefix forward as from the
+    plain one, position by position; train/entropy is its mean over the rows trained on."""
+    from rollout.algorithms.losses import entropy_from_logits, masked_mean
+    from rollout.runtime.batch import pad_for_learner
+    from rollout.runtime.shared_prefix import shared_prefix_logprobs
+
+    model = copy.deepcopy(tiny_llama.model)
+    padded = pad_for_learner(rollout_batch, tiny_llama.pad_token_id, "cpu")
+    with torch.no_grad():
+        logits = model(
+            input_ids=padded.input_ids,
+            attention_mask=padded.attention_mask,
+            position_ids=padded.position_ids,
+            logits_to_keep=padded.logits_to_keep,
+        ).logits[:, :-1]
+        _, shared = shared_prefix_logprobs(
+            model,
+            rollout_batch,
+            pad_token_id=tiny_llama.pad_token_id,
+            device="cpu",
+            temperature=1.0,
+            entropy=True,
+        )
+    plain = entropy_from_logits(logits) * padded.completion_mask
+    assert plain.sum() > 0
+    torch.testing.assert_close(shared, plain, rtol=1e-5, atol=1e-5)
+
+    metrics = learner_for(model, knobs(), tiny_llama.pad_token_id).update(rollout_batch)
+    trained = padded.completion_mask.clone()
+    trained[6:] = False  # rows 6 and 7 have advantage 0: skipped
+    assert metrics["entropy"] == pytest.approx(masked_mean(plain, trained).item(), rel=1e-5)
