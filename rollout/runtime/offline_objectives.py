@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from rollout.algorithms.losses import token_logprobs
+from rollout.algorithms.losses import entropy_from_logits, masked_mean, token_logprobs
 from rollout.algorithms.preference import (
     dpo_loss,
     ipo_loss,
@@ -27,7 +27,7 @@ from rollout.algorithms.preference import (
     sequence_logprobs,
 )
 from rollout.algorithms.reward_model import bradley_terry_loss
-from rollout.algorithms.sft import sft_loss
+from rollout.algorithms.sft import IGNORE, sft_loss
 from rollout.harness.model_reward import reward_scores
 from rollout.plan.samples import Demonstration, Judged, Pair
 from rollout.runtime.offline_batch import (
@@ -106,6 +106,14 @@ class Objective(Protocol):
 
 def sequence_sums(model: Any, batch: CompletionBatch) -> torch.Tensor:
     """[B] summed log-probs of each row's completion; vocabulary logits only where needed."""
+    return sequence_sums_and_entropy(model, batch, entropy=False)[0]
+
+
+def sequence_sums_and_entropy(
+    model: Any, batch: CompletionBatch, *, entropy: bool = True
+) -> tuple[torch.Tensor, float | None]:
+    """sequence_sums, and the policy's mean entropy over the completion tokens (reported, not
+    optimized: no gradient; None when not asked for)."""
     logits = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
@@ -113,7 +121,14 @@ def sequence_sums(model: Any, batch: CompletionBatch) -> torch.Tensor:
         logits_to_keep=batch.logits_to_keep,
         use_cache=False,
     ).logits[:, :-1]
-    return sequence_logprobs(token_logprobs(logits, batch.targets), batch.mask)
+    sums = sequence_logprobs(token_logprobs(logits, batch.targets), batch.mask)
+    return sums, (mean_entropy(logits, batch.mask) if entropy else None)
+
+
+def mean_entropy(logits: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean entropy of softmax(logits) where mask is set: [B, T, V], [B, T] -> a number."""
+    with torch.no_grad():
+        return float(masked_mean(entropy_from_logits(logits.detach()), mask))
 
 
 def _chunks(indices: list[int], size: int) -> list[list[int]]:
@@ -158,15 +173,18 @@ class PairPreference:
         return StepBatches(_split_evenly(indices, micro_size))
 
     def loss(self, model, split, micro):
-        policy, reference, batch = self._logprobs(model, split, micro.indices)
+        policy, reference, batch, entropy = self._logprobs(
+            model, split, micro.indices, entropy=True
+        )
         loss, metrics = self.loss_fn(*policy.chunk(2), *reference.chunk(2))
+        metrics = {**metrics, "entropy": entropy}
         return loss * micro.share, _weighted(metrics, micro.share), batch.tokens
 
     def evaluate(self, model, split, chunk_size):
         policy, reference = [], []
         with torch.no_grad():
             for part in _chunks(list(range(len(split))), chunk_size):
-                p, r, _ = self._logprobs(model, split, part)
+                p, r, _, _ = self._logprobs(model, split, part)
                 policy.append(p.view(2, -1))
                 reference.append(r.view(2, -1))
         p, r = torch.cat(policy, dim=1), torch.cat(reference, dim=1)
@@ -182,14 +200,14 @@ class PairPreference:
             self.ctx.device,
         )
 
-    def _logprobs(self, model, split, indices):
+    def _logprobs(self, model, split, indices, *, entropy: bool = False):
         batch = self._batch(split, indices)
-        policy = sequence_sums(model, batch)
+        policy, mean_entropy = sequence_sums_and_entropy(model, batch, entropy=entropy)
         reference = self.ctx.reference.sums(split.name, self.streams, indices, batch)
         if self.average:
             lengths = batch.mask.sum(dim=-1).clamp(min=1)
             policy, reference = policy / lengths, reference / lengths
-        return policy, reference, batch
+        return policy, reference, batch, mean_entropy
 
 
 def _pair(split: Split, index: int) -> Pair:
@@ -245,8 +263,8 @@ class Kto:
             policy, reference, _ = self._mismatched(model, split, indices, chunk_size)
             z0 = kto_reference_point(policy, reference)
             parts = [self._completions(model, split, part) for part in _chunks(indices, chunk_size)]
-        policy = torch.cat([p for p, _, _ in parts])
-        reference = torch.cat([r for _, r, _ in parts])
+        policy = torch.cat([p for p, _, _, _ in parts])
+        reference = torch.cat([r for _, r, _, _ in parts])
         return self._call(split, indices, policy, reference, z0)[1]
 
     def _mismatched(self, model, split, indices, chunk_size):
@@ -258,15 +276,16 @@ class Kto:
             tokens += batch.tokens
         return torch.cat(policy), torch.cat(reference), tokens
 
-    def _completions(self, model, split, indices):
+    def _completions(self, model, split, indices, *, entropy: bool = False):
         batch = self._batch(split, "completion", indices)
-        policy = sequence_sums(model, batch)
-        return policy, self.ctx.reference.sums(split.name, ("completion",), indices, batch), batch
+        policy, mean_entropy = sequence_sums_and_entropy(model, batch, entropy=entropy)
+        reference = self.ctx.reference.sums(split.name, ("completion",), indices, batch)
+        return policy, reference, batch, mean_entropy
 
     def _loss(self, model, split, indices, z0):
-        policy, reference, batch = self._completions(model, split, indices)
+        policy, reference, batch, entropy = self._completions(model, split, indices, entropy=True)
         loss, metrics = self._call(split, indices, policy, reference, z0)
-        return loss, metrics, batch
+        return loss, {**metrics, "entropy": entropy}, batch
 
     def _call(self, split, indices, policy, reference, z0):
         algo = self.ctx.algo
@@ -337,8 +356,12 @@ class Sft:
 
     def loss(self, model, split, micro):
         batch, divisor = micro.batch
-        loss, metrics = sft_loss(_logits(model, batch), batch.labels, num_tokens=divisor)
-        return loss, {"loss": metrics["loss"]}, batch.tokens
+        logits = _logits(model, batch)
+        loss, metrics = sft_loss(logits, batch.labels, num_tokens=divisor)
+        # Weighted by the micro batch's share of the step's tokens, as the loss is.
+        entropy = mean_entropy(logits, batch.labels != IGNORE)
+        share = int(metrics["tokens"]) / divisor
+        return loss, {"loss": metrics["loss"], "entropy": entropy * share}, batch.tokens
 
     def evaluate(self, model, split, chunk_size):
         total, tokens = 0.0, 0

@@ -89,6 +89,8 @@ def test_pairwise_preference_learns(workdir, example):
     assert mean(train_margin[-8:]) > mean(train_margin[:8]) + 0.2, train_margin
     # The progress line shows an offline run's loss and held-out accuracy.
     assert "eval acc" in stdout and "loss" in stdout
+    entropy = series(store, record.run_id, "train/entropy")
+    assert entropy and all(0 < e < 10 for e in entropy), entropy  # nats, vocabulary of 1000s
 
     plan = Plan.from_file(str(Path(record.run_dir) / "plan.lock"), check_fresh=False)
     cache = Path(record.run_dir) / "reference-logprobs.safetensors"
@@ -111,6 +113,7 @@ def test_kto_learns_from_unpaired_labels(workdir):
     assert accuracy[-1] > 0.8, accuracy
     assert margin[-1] > margin[0] + 0.2, margin
     assert series(store, record.run_id, "train/kl")  # the reference point is recorded
+    assert all(e > 0 for e in series(store, record.run_id, "train/entropy"))
 
 
 @pytest.mark.parametrize("packing", [False, True])
@@ -123,6 +126,9 @@ def test_sft_held_out_loss_falls(workdir, packing):
     assert loss[-1] < 0.5 * loss[0], loss
     train = series(store, record.run_id, "train/loss")
     assert mean(train[-5:]) < mean(train[:5]), train
+    # Learning the targets makes the policy surer of them: its entropy there falls.
+    entropy = series(store, record.run_id, "train/entropy")
+    assert mean(entropy[-5:]) < mean(entropy[:5]), entropy
 
 
 def test_reward_model_ranks_held_out_pairs(workdir):
