@@ -561,6 +561,7 @@ def _engine(job: _Job, loaded: Any) -> Any:
             max_batch_size=job.batch_size,
             device=job.device,
             seed=job.seed,
+            keep_packed=True,  # the weights never change: pack them once, not per chunk
         )
     if importlib.util.find_spec("vllm") is None:
         raise RolloutError(

@@ -506,3 +506,36 @@ def test_smollm2_logprobs_and_batching(smollm2):
     together = engine.generate(prompts, greedy())
     for prompt, completion in zip(prompts, together, strict=True):
         assert engine.generate([prompt], greedy())[0].token_ids == completion.token_ids
+
+
+def test_kept_packed_weights_are_reused_until_the_weights_move(tiny_llama, prompts):
+    """keep_packed: the second call samples what a fresh engine samples, with the same packed
+    decoder; load_weights makes the next call pack anew."""
+    from rollout.engines.hf import HfEngine, should_pack
+
+    params = SamplingParams(max_new_tokens=16, n=2, seed=3)
+    assert should_pack(tiny_llama.model, params.max_new_tokens)
+
+    def engine(keep: bool) -> HfEngine:
+        return HfEngine(
+            tiny_llama.model,
+            eos_token_ids=tiny_llama.eos_token_ids,
+            pad_token_id=tiny_llama.pad_token_id,
+            tokenizer=tiny_llama.tokenizer,
+            keep_packed=keep,
+        )
+
+    kept = engine(True)
+    first = kept.generate(prompts, params)
+    decoder = kept._kept[1]
+    second = kept.generate(prompts, params)
+    assert kept._kept[1] is decoder  # packed once
+    fresh = engine(False).generate(prompts, params)
+    assert (
+        [c.token_ids for c in second]
+        == [c.token_ids for c in first]
+        == [c.token_ids for c in fresh]
+    )
+    kept.load_weights(None, version=1)
+    kept.generate(prompts, params)
+    assert kept._kept[1] is not decoder  # the weights may have moved: packed again
