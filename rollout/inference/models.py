@@ -105,7 +105,7 @@ def choose_model(
         section = base.model_copy(update=_source(path=str(found.model_dir), format="hf"))
         return _choice(section, defaults, "--checkpoint", f"checkpoint {found.model_dir.parent}")
     if model is not None:
-        section = (defaults.section or ModelSection()).model_copy(update=_model_source(model))
+        section = (defaults.section or ModelSection()).model_copy(update=model_source(model))
         return _choice(section, defaults, "--model", model)
     if defaults.section is None:
         raise RolloutError(
@@ -167,8 +167,12 @@ def _source(**chosen: Any) -> dict[str, Any]:
     return {"path": None, "package": None, "builtin": None, "file": None, "format": "auto"} | chosen
 
 
-def _model_source(value: str) -> dict[str, Any]:
-    """--model as a path, a builtin name or an installed package, in that order of precedence."""
+def model_source(value: str) -> dict[str, Any]:
+    """--model as a path, a builtin name or an installed package, in that order of precedence;
+    `builtin:NAME` and `package:NAME` say which outright. Shared by generate and serve."""
+    for prefix in ("builtin", "package"):
+        if value.startswith(f"{prefix}:"):
+            return _source(**{prefix: value.removeprefix(f"{prefix}:")})
     if is_url(value):
         return _source(path=value)
     path = Path(value).expanduser()

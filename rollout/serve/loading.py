@@ -201,11 +201,11 @@ def _from_config(path: Path, name: str | None) -> ServeSource:
 
 
 def _model_section(model: str) -> ModelSection:
-    if model.startswith("builtin:"):
-        return _section("--model", builtin=model.removeprefix("builtin:"))
-    if model.startswith("package:"):
-        return _section("--model", package=model.removeprefix("package:"))
-    return _section("--model", path=model)
+    """--model read as `rollout generate` reads it."""
+    from rollout.inference.models import model_source
+
+    chosen = {k: v for k, v in model_source(model).items() if v is not None and k != "format"}
+    return _section("--model", **chosen)
 
 
 def _section(flag: str, **fields: Any) -> ModelSection:

