@@ -40,6 +40,7 @@ What a Completion carries, precisely (the learner depends on it):
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -121,8 +122,8 @@ class HfEngine:
             self._generator.manual_seed(seed)
         self._version = 0
         self._keep_packed = keep_packed
-        self._kept: tuple[tuple[int, int], Decoder] | None = None
-        """(weights generation, width) -> the decoder whose packed weights generate() keeps."""
+        self._kept: tuple[tuple[int, int | None], Decoder] | None = None
+        """(weights generation, packed_width) -> the decoder whose packed weights are kept."""
         self._weights_loaded = 0
         """Counts load_weights calls: a DecodeBatch drops its packed weights when it moves."""
         self._stats = EngineStats()
@@ -242,12 +243,13 @@ class HfEngine:
         """The decode step for a batch of `width` rows. A Llama-family model gets its step
         written out here (LlamaDecoder); any other model runs its own forward."""
         if LlamaDecoder.supports(self._model, cache):
-            if not (pack and self._keep_packed):
-                return LlamaDecoder(self._model, width, pack=pack)
-            key = (self._weights_loaded, width)
+            kernel = packing_kernel() if pack else None
+            if kernel is None or not self._keep_packed:
+                return LlamaDecoder(self._model, width, kernel=kernel)
+            key = (self._weights_loaded, packed_width(width))
             if self._kept is None or self._kept[0] != key:
                 self._kept = None  # the old packed copy goes before the new one is made
-                self._kept = (key, LlamaDecoder(self._model, width, pack=True))
+                self._kept = (key, LlamaDecoder(self._model, width, kernel=kernel))
             return self._kept[1]
 
         def step(
@@ -335,7 +337,8 @@ class DecodeBatch:
         self._slots: list[GenerationRow | None] = []
         self._cache: DynamicCache | None = None
         self._refillable = False
-        self._decoders: dict[int, Decoder] = {}
+        self._decoders: dict[int | None, Decoder] = {}
+        """packed_width -> the decoder for it."""
         self._weights_loaded = engine._weights_loaded
         self._mask = torch.zeros(0, 0, dtype=torch.long)
         """[width, capacity]: which cache columns each row attends to."""
@@ -543,16 +546,20 @@ class DecodeBatch:
 
     def _decoder(self) -> Decoder:
         assert self._cache is not None
-        decoder = self._decoders.get(self.width)
+        key = packed_width(self.width)
+        decoder = self._decoders.get(key)
         if decoder is None:
             if len(self._decoders) >= MAX_PACKED_WIDTHS:
                 del self._decoders[next(iter(self._decoders))]
             started = time.perf_counter()
-            # An adaptive batch packs only from PACK_MIN_WIDTH rows; generate() packs as it
-            # always did, so that its outputs stay what they were.
-            pack = self._pack and (self._fixed_width is not None or self.width >= PACK_MIN_WIDTH)
+            # MKL's packing pays only from PACK_MIN_WIDTH rows in an adaptive batch; generate()
+            # packs as it always did, so that its outputs stay what they were. oneDNN's packed
+            # copy serves every width.
+            pack = self._pack and (
+                key is None or self._fixed_width is not None or self.width >= PACK_MIN_WIDTH
+            )
             decoder = self._engine._decoder(self._cache, self.width, pack)
-            self._decoders[self.width] = decoder
+            self._decoders[key] = decoder
             extra = self._engine._stats.extra
             extra["decoders_built"] = extra.get("decoders_built", 0) + 1
             extra["decoder_build_s"] = extra.get("decoder_build_s", 0.0) + (
@@ -899,24 +906,27 @@ projections (biases allowed) with rotary embeddings and grouped-query attention,
 _ATTENTION_CHILDREN = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
 _MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 
+_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})
+"""Norm modules that compute exactly torch's rms_norm: x * rsqrt(mean(x^2) + eps) * weight."""
+
 
 class LlamaDecoder:
     """One decode step of a Llama-family model in plain torch, over the model's own weights and
-    modules (norms, rotary embedding, activation) and a batch's preallocated cache.
+    modules (embedding, rotary embedding, activation) and a batch's preallocated cache.
 
     Why: at batch 8 on CPU, transformers' per-module Python, mask building and cache bookkeeping
-    cost about a fifth of a step; this is about 15 tensor ops per layer. And with pack=True the
-    linear layers use MKL's packed GEMM, packed once for the batch's width: the plain sgemm
-    that nn.Linear calls re-packs the whole weight on every call, which makes a step with a few
-    rows about twice as slow as streaming the weights. The prefill still runs the model itself.
+    cost about a fifth of a step; this is about a dozen tensor ops per layer. With a packing
+    `kernel` the linear layers run on a packed copy of their weights (PackedLinear), and with
+    oneDNN's the q, k and v projections are one GEMM, as are the gate and up projections: fewer,
+    larger products. The prefill still runs the model itself.
     """
 
     @staticmethod
     def supports(model: Any, cache: DynamicCache) -> bool:
         """Whether `model` is a Llama-family causal LM whose every layer has a preallocated cache
         (full attention: no sliding window), and whose modules that the step bypasses (all but
-        the embedding, rotary embedding, norms and activations, which it calls) have no hooks
-        and no replaced forward: the step would skip them."""
+        the embedding, rotary embedding and activations, which it calls) have no hooks and no
+        replaced forward: the step would skip them."""
         config = model.config
         if getattr(config, "model_type", None) not in _LLAMA_FAMILY:
             return False
@@ -926,8 +936,9 @@ class LlamaDecoder:
             return False
         try:
             inner, head = model.model, model.lm_head
-            inner.embed_tokens, inner.rotary_emb, inner.norm  # noqa: B018
-            bypassed = [model, inner, head]
+            inner.embed_tokens, inner.rotary_emb  # noqa: B018
+            norms = [inner.norm]
+            bypassed = [model, inner, head, inner.norm]
             for layer in inner.layers:
                 attention, mlp = layer.self_attn, layer.mlp
                 if {name for name, _ in attention.named_children()} != _ATTENTION_CHILDREN:
@@ -936,40 +947,45 @@ class LlamaDecoder:
                 linears += [getattr(mlp, name) for name in _MLP_LINEARS]
                 if any(type(linear) is not torch.nn.Linear for linear in linears):
                     return False  # e.g. LoRA or quantized layers
-                bypassed += [layer, attention, mlp, *linears]
+                norms += [layer.input_layernorm, layer.post_attention_layernorm]
+                bypassed += [layer, attention, mlp, *linears, *norms[-2:]]
         except AttributeError:
             return False
         if type(head) is not torch.nn.Linear or len(inner.layers) != len(cache.layers):
+            return False
+        if any(type(m).__name__ not in _RMS_NORMS for m in norms):
             return False
         return not any(
             m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in bypassed
         )
 
-    def __init__(self, model: Any, batch: int, *, pack: bool) -> None:
-        def linear(module: torch.nn.Linear) -> PackedLinear:
-            return PackedLinear(module, batch if pack else None)
+    def __init__(self, model: Any, batch: int, *, kernel: str | None) -> None:
+        """`kernel`: None runs nn.Linear's plain GEMM on the module weights; "onednn" or "mkl"
+        packs them (see PackedLinear), for batches of `batch` rows."""
 
+        def project(*modules: torch.nn.Linear) -> _Projection:
+            return _Projection(modules, kernel, batch)
+
+        config = model.config
         self._model = model
         self._layers = [
             _LlamaLayer(
-                input_norm=layer.input_layernorm,
-                q=linear(layer.self_attn.q_proj),
-                k=linear(layer.self_attn.k_proj),
-                v=linear(layer.self_attn.v_proj),
-                o=linear(layer.self_attn.o_proj),
-                post_norm=layer.post_attention_layernorm,
-                gate=linear(layer.mlp.gate_proj),
-                up=linear(layer.mlp.up_proj),
-                down=linear(layer.mlp.down_proj),
+                input_norm=_RmsNorm(layer.input_layernorm),
+                qkv=project(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                o=project(layer.self_attn.o_proj),
+                post_norm=_RmsNorm(layer.post_attention_layernorm),
+                gate_up=project(layer.mlp.gate_proj, layer.mlp.up_proj),
+                down=project(layer.mlp.down_proj),
                 act=layer.mlp.act_fn,
-                heads=model.config.num_attention_heads,
-                kv_heads=model.config.num_key_value_heads,
+                heads=config.num_attention_heads,
+                kv_heads=config.num_key_value_heads,
                 head_dim=layer.self_attn.head_dim,
                 scaling=layer.self_attn.scaling,
             )
             for layer in model.model.layers
         ]
-        self._head = linear(model.lm_head)
+        self._norm = _RmsNorm(model.model.norm)
+        self._head = project(model.lm_head)
 
     def __call__(
         self,
@@ -983,26 +999,25 @@ class LlamaDecoder:
         inner = self._model.model
         hidden = inner.embed_tokens(token_ids)  # [B, hidden]
         cos, sin = inner.rotary_emb(hidden, position_ids)  # [B, 1, head_dim], broadcast over heads
-        # One query per row: its mask is the same for all heads and queries, [B, 1, 1, seen].
-        mask = attention_mask.bool()[:, None, None, :]
+        # One query per row: its mask is the same for all heads and queries, [B, 1, 1, seen], as
+        # an additive bias (0 or -inf), which SDPA applies faster than a boolean mask.
+        bias = torch.zeros(attention_mask.shape, dtype=hidden.dtype, device=hidden.device)
+        bias = bias.masked_fill_(attention_mask == 0, float("-inf"))[:, None, None, :]
         for layer, layer_cache in zip(self._layers, cache.layers, strict=True):
-            hidden = layer(hidden, cos, sin, mask, layer_cache)
-        return self._head(inner.norm(hidden)).float()
+            hidden = layer(hidden, cos, sin, bias, layer_cache)
+        return self._head(self._norm(hidden)).float()
 
 
 @dataclass(eq=False)
 class _LlamaLayer:
-    """One decoder layer's modules, and what its decode step computes with them."""
+    """One decoder layer's weights, and what its decode step computes with them."""
 
-    input_norm: torch.nn.Module
-    q: PackedLinear
-    k: PackedLinear
-    v: PackedLinear
-    o: PackedLinear
-    post_norm: torch.nn.Module
-    gate: PackedLinear
-    up: PackedLinear
-    down: PackedLinear
+    input_norm: _RmsNorm
+    qkv: _Projection
+    o: _Projection
+    post_norm: _RmsNorm
+    gate_up: _Projection
+    down: _Projection
     act: torch.nn.Module
     heads: int
     kv_heads: int
@@ -1014,24 +1029,24 @@ class _LlamaLayer:
         hidden: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor,
+        bias: torch.Tensor,
         cache: _PreallocatedLayer,
     ) -> torch.Tensor:
-        batch = hidden.shape[0]
-        x = self.input_norm(hidden)
-        q = _rotate(self.q(x).view(batch, self.heads, self.head_dim), cos, sin)
-        k = _rotate(self.k(x).view(batch, self.kv_heads, self.head_dim), cos, sin)
-        v = self.v(x).view(batch, self.kv_heads, self.head_dim)
+        batch, heads, kv_heads = hidden.shape[0], self.heads, self.kv_heads
+        qkv = self.qkv(self.input_norm(hidden)).view(batch, heads + 2 * kv_heads, self.head_dim)
+        # The query and key heads lie side by side: one rotation for both.
+        rotated = _rotate(qkv[:, : heads + kv_heads], cos, sin)
+        q, k, v = rotated[:, :heads], rotated[:, heads:], qkv[:, heads + kv_heads :]
         keys, values = cache.update(k[:, :, None], v[:, :, None])  # [B, kv_heads, seen, head_dim]
         # Grouped-query attention without repeating the keys: the query heads that share a key
         # head (heads kv * group ... kv * group + group - 1) become that head's query rows.
-        grouped = q.view(batch, self.kv_heads, self.heads // self.kv_heads, self.head_dim)
+        grouped = q.reshape(batch, kv_heads, heads // kv_heads, self.head_dim)
         attention = torch.nn.functional.scaled_dot_product_attention(
-            grouped, keys, values, attn_mask=mask, scale=self.scaling
+            grouped, keys, values, attn_mask=bias, scale=self.scaling
         )
-        hidden = hidden + self.o(attention.reshape(batch, self.heads * self.head_dim))
-        x = self.post_norm(hidden)
-        return hidden + self.down(self.act(self.gate(x)) * self.up(x))
+        hidden = hidden + self.o(attention.reshape(batch, heads * self.head_dim))
+        gate, up = self.gate_up(self.post_norm(hidden)).chunk(2, dim=-1)
+        return hidden + self.down(self.act(gate) * up)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -1040,37 +1055,113 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
 
 
+class _RmsNorm:
+    """A Llama-family RMSNorm module's computation as torch's one fused rms_norm op (the module
+    runs about seven ops). Other dtypes than float32 call the module: it rounds in between."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._module = module
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self._module.weight
+        if x.dtype != torch.float32 or weight.dtype != torch.float32:
+            return self._module(x)
+        eps = self._module.variance_epsilon
+        return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
+
+
+class _Projection:
+    """Linear layers applied to one input, their outputs side by side [B, sum of out_features].
+
+    With oneDNN they are one GEMM over their stacked weights (packed anyway, so stacking costs no
+    memory for long); otherwise each layer is its own PackedLinear and the outputs are joined."""
+
+    def __init__(self, modules: Sequence[torch.nn.Linear], kernel: str | None, rows: int) -> None:
+        if kernel == "onednn" and len(modules) > 1:
+            weight = torch.cat([m.weight for m in modules])
+            bias = None
+            if any(m.bias is not None for m in modules):
+                bias = torch.cat(
+                    [
+                        m.weight.new_zeros(m.out_features) if m.bias is None else m.bias
+                        for m in modules
+                    ]
+                )
+            self._linears = [PackedLinear(weight, bias, kernel, rows)]
+        else:
+            self._linears = [PackedLinear(m.weight, m.bias, kernel, rows) for m in modules]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self._linears) == 1:
+            return self._linears[0](x)
+        return torch.cat([linear(x) for linear in self._linears], dim=-1)
+
+
+ONEDNN_ROWS_HINT = 32
+"""The row count oneDNN packs for: its packed copy then ran 1, 8 and 32 rows about as fast as
+copies packed for exactly those counts (SmolLM2's layers; one packed for 1 row was 30% slower
+at 32)."""
+
+
+def packed_width(width: int) -> int | None:
+    """The batch width a packed decoder is made for: None when one serves every width (oneDNN's
+    packed copy, or none)."""
+    return width if packing_kernel() == "mkl" else None
+
+
+@functools.cache
+def packing_kernel() -> str | None:
+    """The packed GEMM this torch offers: "onednn" (mkldnn), else "mkl", else None.
+
+    oneDNN's packed weight serves any number of rows; MKL's serves one. Measured on SmolLM2's
+    layers (2 threads, AMD EPYC with AVX-512), oneDNN's fp32 product was 2.8x MKL's packed one at
+    8 rows and 2.1x at 32, MKL's own packing being no faster than its plain sgemm there."""
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return "onednn"
+    if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
+        return "mkl"
+    return None
+
+
 class PackedLinear:
-    """nn.Linear's forward on the module's current weight, optionally through MKL's packed GEMM
-    for a fixed number of rows (other row counts take the plain path).
+    """x @ weight.T + bias through a packed copy of `weight`, made once for many calls.
+
+    kernel "onednn": oneDNN's packed weight (reordered for its GEMM; any number of rows works). "mkl": MKL's packed GEMM for exactly `rows` rows; other row counts take
+    the plain path. None: the plain path, no copy.
 
     The packed copy is a snapshot of the weights: a DecodeBatch drops it when load_weights is
     called, and generate() packs anew at each call (the learner changes the weights in between).
     """
 
-    def __init__(self, module: torch.nn.Linear, rows: int | None) -> None:
-        self.weight, self.bias, self.rows = module.weight, module.bias, rows
-        self.packed = (
-            None if rows is None else torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows)
-        )
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str | None, rows: int
+    ) -> None:
+        self.weight, self.bias, self.kernel, self.rows = weight, bias, kernel, rows
+        self.packed: torch.Tensor | None = None
+        if kernel == "onednn":
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_ROWS_HINT)
+            self.weight = None  # only the packed copy is used (it may be a stacked weight)
+        elif kernel == "mkl":
+            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.packed is None or x.shape[0] != self.rows:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, self.rows)
 
 
 def should_pack(model: torch.nn.Module, max_new_tokens: int) -> bool:
-    """Whether LlamaDecoder should pack the weights for MKL's packed GEMM: float32 on the CPU
-    with torch built with MKL, a long enough generation to pay back the packing, and a packed
-    copy (as large as the weights, for the life of the batch) of at most PACK_MAX_BYTES."""
+    """Whether LlamaDecoder should pack the weights (packing_kernel): float32 on the CPU with
+    torch built with oneDNN or MKL, a long enough generation to pay back the packing, and a
+    packed copy (as large as the weights, for the life of the batch) of at most PACK_MAX_BYTES."""
     weights = [p for p in model.parameters() if p.dim() == 2]
     return (
         max_new_tokens >= PACK_MIN_NEW_TOKENS
         and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in weights)
         and sum(p.numel() * p.element_size() for p in weights) <= PACK_MAX_BYTES
-        and torch.backends.mkl.is_available()
-        and hasattr(torch.ops.mkl, "_mkl_linear")
+        and packing_kernel() is not None
     )
 
 
