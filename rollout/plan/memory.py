@@ -57,7 +57,7 @@ PACKED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 """model_types the engine decodes through its written-out (and packable) Llama step."""
 
 # Per sequence, sampling keeps three float32 [vocab] rows: the logits, their exponentials and the
-# running sum it draws from (rollout.engines.hf.sample_tokens).
+# running sum it draws from (rollout.engines.sampling.sample_tokens).
 _SAMPLING_ROWS = 3
 
 

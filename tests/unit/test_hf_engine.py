@@ -12,10 +12,8 @@ import torch
 
 from rollout.engines import hf
 from rollout.engines.base import Completion, SamplingParams
-from rollout.engines.hf import (
-    HfEngine,
-    cut_at_stop,
-    eval_mode,
+from rollout.engines.hf import HfEngine, cut_at_stop, eval_mode
+from rollout.engines.sampling import (
     sample_proportional,
     sample_rows,
     sample_tokens,

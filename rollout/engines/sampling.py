@@ -1,0 +1,134 @@
+"""Sampling one token per row from next-token logits: the engine's sampling, in one pass over
+the batch, with the log-probs the learner recomputes.
+
+What a sampled log-prob is, precisely: log_softmax(logits / T)[token] in float32, T the
+temperature (T = 1 when greedy), computed BEFORE top-k/top-p truncation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollout.engines.base import SamplingParams
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from logits [B, V]: (token ids [B], their log-probs [B]).
+
+    The log-prob is under log_softmax(logits / T) before top-k/top-p truncation; temperature 0
+    is greedy and reports T=1 log-probs.
+    """
+    temperature = params.temperature if params.temperature > 0 else 1.0
+    scaled = logits if temperature == 1.0 else logits / temperature
+    # log_softmax(scaled)[token] is scaled[token] - logsumexp(scaled): one reduction over the
+    # vocabulary rather than a [B, V] log-prob tensor, and the exponentials are reused to sample.
+    peak = scaled.amax(-1, keepdim=True)
+    weights = (scaled - peak).exp_()  # probabilities up to a factor per row
+    log_normalizer = weights.sum(-1, keepdim=True).log_() + peak
+    if params.temperature > 0:
+        if 0 < params.top_k < logits.shape[-1] or params.top_p < 1.0:
+            truncated = truncate(scaled, top_k=params.top_k, top_p=params.top_p)
+            weights = (truncated - peak).exp_()  # -inf, the truncated tokens, becomes weight 0
+        token_ids = sample_proportional(weights, generator)
+    else:
+        token_ids = scaled.argmax(-1)
+    logprobs = (scaled.gather(-1, token_ids[:, None]) - log_normalizer).squeeze(-1)
+    return token_ids, logprobs
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    uniform: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """sample_tokens with parameters per row: logits [B, V], temperature [B] (0: greedy),
+    top_k [B] (0: off), top_p [B] (1: off), uniform [B] (each row's draw in [0, 1), unused by
+    greedy rows) -> (token ids [B], log-probs [B]), the log-probs as sample_tokens reports them.
+    """
+    greedy = temperature <= 0
+    scale = torch.where(greedy, torch.ones_like(temperature), temperature).to(logits.dtype)
+    scaled = logits / scale[:, None]
+    peak = scaled.amax(-1, keepdim=True)
+    weights = (scaled - peak).exp_()
+    log_normalizer = weights.sum(-1, keepdim=True).log_() + peak
+    truncating = ~greedy & (((top_k > 0) & (top_k < logits.shape[-1])) | (top_p < 1.0))
+    if bool(truncating.any()):
+        truncated = truncate_rows(
+            scaled, top_k.masked_fill(~truncating, 0), top_p.masked_fill(~truncating, 1.0)
+        )
+        weights = (truncated - peak).exp_()
+    sampled = sample_proportional(weights, None, uniform=uniform.to(weights.dtype)[:, None])
+    token_ids = torch.where(greedy, scaled.argmax(-1), sampled)
+    logprobs = (scaled.gather(-1, token_ids[:, None]) - log_normalizer).squeeze(-1)
+    return token_ids, logprobs
+
+
+def sample_proportional(
+    weights: torch.Tensor,
+    generator: torch.Generator | None,
+    *,
+    uniform: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One index per row of weights [B, V] (>= 0, not all 0), drawn with probability
+    proportional to its weight; a weight of 0 is never drawn. `uniform` [B, 1] gives each row's
+    draw in [0, 1); without it they come from `generator`.
+
+    Inverse CDF: one uniform draw per row located in the running sum of the weights. It draws what
+    torch.multinomial draws, but multinomial spends one random number per vocabulary entry,
+    which costs more than the rest of sampling together on a 50k vocabulary.
+    """
+    cdf = weights.cumsum(-1)
+    total = cdf[:, -1:].contiguous()  # searchsorted copies a non-contiguous argument anyway
+    if uniform is None:
+        uniform = torch.rand(
+            total.shape, generator=generator, device=weights.device, dtype=cdf.dtype
+        )
+    index = torch.searchsorted(cdf, uniform * total, right=True)
+    # Rounding can put uniform * total at the total itself; the last index with a weight is
+    # where the running sum first reaches the total.
+    last = torch.searchsorted(cdf, total, right=False)
+    return torch.minimum(index, last).squeeze(-1)
+
+
+def truncate(logits: torch.Tensor, *, top_k: int, top_p: float) -> torch.Tensor:
+    """logits [B, V] with everything outside the top k and outside the top-p nucleus at -inf.
+
+    top_k 0 (or >= V) and top_p 1 keep everything. The nucleus is the smallest set of most likely
+    tokens whose probability reaches top_p; the most likely token is always kept.
+    """
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        before = probs.cumsum(-1) - probs  # probability of the tokens ranked above each one
+        drop_sorted = before >= top_p
+        drop_sorted[:, 0] = False
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def truncate_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """truncate with a top_k [B] and a top_p [B] per row of logits [B, V] (0 and 1: off)."""
+    by_k = (top_k > 0) & (top_k < logits.shape[-1])
+    if bool(by_k.any()):
+        k = torch.where(by_k, top_k, torch.ones_like(top_k))
+        kth = logits.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None])
+        kth = kth.masked_fill(~by_k[:, None], float("-inf"))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    by_p = top_p < 1.0
+    if bool(by_p.any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        before = probs.cumsum(-1) - probs
+        drop_sorted = (before >= top_p.to(probs.dtype)[:, None]) & by_p[:, None]
+        drop_sorted[:, 0] = False
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
