@@ -54,6 +54,17 @@ def serve(
             "route then needs 'Authorization: Bearer <key>'.",
         ),
     ] = None,
+    tls_cert: Annotated[
+        Path | None,
+        typer.Option(
+            "--tls-cert",
+            help="Serve HTTPS with this PEM certificate (chain); needs --tls-key.",
+        ),
+    ] = None,
+    tls_key: Annotated[
+        Path | None,
+        typer.Option("--tls-key", help="The PEM private key of --tls-cert (unencrypted)."),
+    ] = None,
     name: Annotated[
         str | None,
         typer.Option("--served-model-name", help="The model name clients send. Default: derived."),
@@ -70,11 +81,11 @@ def serve(
         int | None, typer.Option("--seed", help="Seed of the sampling stream (unseeded requests).")
     ] = None,
 ) -> None:
-    """Serve a model over HTTP with the OpenAI API (completions, chat, streaming).
+    """Serve a model over HTTP (or HTTPS) with the OpenAI API (completions, chat, streaming).
 
     Stops gracefully on SIGTERM or Ctrl-C: requests in flight are answered first.
     """
-    from rollout.serve.loading import load_served, resolve_api_key, resolve_source
+    from rollout.serve.loading import load_served, resolve_api_key, resolve_source, tls_context
 
     # OpenMP's worker threads spin while they wait for work. Here the engine thread shares the
     # cores with the connection threads, and spinning workers starve them (and it): 8 streaming
@@ -85,21 +96,22 @@ def serve(
             raise RolloutError(Issue("--dtype", f"must be one of {', '.join(DTYPES)}", value=dtype))
         source = resolve_source(config=config, model=model, checkpoint=checkpoint, name=name)
         key = resolve_api_key(api_key, host)
+        tls = tls_context(tls_cert, tls_key)
         served = load_served(
             source, device=device, dtype=dtype, seed=seed, max_batch_size=max_batch_size
         )
     with user_errors():
-        server = _bind(host, port, served, key)
+        server = _bind(host, port, served, key, tls)
     stdout.print(f"serving {source.name!r} at {server.url} (Ctrl-C or SIGTERM stops)")
     _serve_until_signalled(server)
     stdout.print("stopped")
 
 
-def _bind(host: str, port: int, served, key: str | None):
+def _bind(host: str, port: int, served, key: str | None, tls):
     from rollout.serve.server import OpenAIServer
 
     try:
-        return OpenAIServer((host, port), served, api_key=key)
+        return OpenAIServer((host, port), served, api_key=key, tls=tls)
     except OSError as error:
         served.service.close()
         raise RolloutError(

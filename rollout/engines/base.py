@@ -30,6 +30,9 @@ class SamplingParams:
     """Completions per prompt; results come grouped: prompt 0's n completions first."""
     seed: int | None = None
     """Seed for this call's sampling stream; None draws from the engine's own generator."""
+    top_logprobs: int = 0
+    """Alternatives to report per sampled token: its `top_logprobs` most likely tokens (0: none,
+    and nothing is computed for them)."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,9 @@ class Completion:
     """Decoded without special tokens, cut before the first stop string."""
     finish_reason: FinishReason
     policy_version: int = 0
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """For each token, the SamplingParams.top_logprobs most likely (token id, log-prob), most
+    likely first, under the same distribution as `logprobs`; None when none were asked for."""
 
 
 @dataclass

@@ -76,9 +76,12 @@ class GenerationRow:
     generator: torch.Generator
     """Draws this row's random numbers; rows of one seeded request share their own."""
     listener: Listener | None = None
-    """Called by the thread stepping the batch with each (row, token id, log-prob) sampled."""
+    """Called by the thread stepping the batch with each (row, token id, log-prob) sampled,
+    once the token is recorded (its alternatives are then top_logprobs[-1])."""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    """Each token's params.top_logprobs most likely (token id, log-prob); empty when not asked."""
     finish_reason: FinishReason | None = None
     cancelled: bool = False
     """Set from any thread: the batch drops the row at its next step, without a completion."""
@@ -223,10 +226,10 @@ class HfEngine:
     def completion(self, row: GenerationRow) -> Completion:
         """The finished row as the Completion that callers and the learner see."""
         assert row.finish_reason is not None
-        token_ids, logprobs = row.token_ids, row.logprobs
+        token_ids, logprobs, top = row.token_ids, row.logprobs, row.top_logprobs
         if row.finish_reason == "stop":
             keep, text = cut_at_stop(token_ids, row.params.stop, self._decode)
-            token_ids, logprobs = token_ids[:keep], logprobs[:keep]
+            token_ids, logprobs, top = token_ids[:keep], logprobs[:keep], top[:keep]
         else:
             text = self._decode(token_ids)
         return Completion(
@@ -236,6 +239,7 @@ class HfEngine:
             text=text,
             finish_reason=row.finish_reason,
             policy_version=self._version,
+            top_logprobs=list(top) if row.params.top_logprobs else None,
         )
 
     # --- what a DecodeBatch calls ------------------------------------------------------------------
@@ -284,10 +288,19 @@ class HfEngine:
         )
         return output.logits[:, -1].float()
 
-    def _record(self, row: GenerationRow, token_id: int, logprob: float) -> None:
-        """Append one sampled token to the row and note whether it finished the row."""
+    def _record(
+        self,
+        row: GenerationRow,
+        token_id: int,
+        logprob: float,
+        top: list[tuple[int, float]] | None = None,
+    ) -> None:
+        """Append one sampled token (and the batch's most likely tokens for its row, of which it
+        keeps as many as it asked for) to the row and note whether it finished the row."""
         row.token_ids.append(token_id)
         row.logprobs.append(logprob)
+        if row.params.top_logprobs and top is not None:
+            row.top_logprobs.append(top[: row.params.top_logprobs])
         if token_id in self._eos:
             row.finish_reason = "eos"
         elif row.params.stop and self._ends_with_stop(row.token_ids, row.params.stop):
@@ -408,7 +421,7 @@ class DecodeBatch:
         self._mask[:, column] = 1
         empty = torch.tensor([row is None for row in self._slots], device=self._mask.device)
         feed = self._sampled.masked_fill(empty, self._engine._pad)
-        self._logits = self._decoder()(
+        self._logits = self._decoder(self.width, self._cache)(
             feed, self._positions[:, None], self._mask[:, : column + 1], self._cache
         )
         self._positions += 1
@@ -447,7 +460,7 @@ class DecodeBatch:
         prompt_width = input_ids.shape[1]
         capacity = prompt_width + max(row.params.max_new_tokens for row in rows)
         cache = preallocated_cache(self._engine.model.config, capacity)
-        logits = self._engine._forward(input_ids, prompt_mask, positions, cache)
+        logits = self._prefill(distinct, input_ids, prompt_mask, positions, cache, width)
         # Each distinct prompt was prefilled once; its cache and logits are copied to its rows.
         # Slots beyond the rows (an adaptive width rounds up) copy row 0 and stay empty.
         if len(distinct) < width:
@@ -475,7 +488,7 @@ class DecodeBatch:
         prompt_width = input_ids.shape[1]
         self._make_room(prompt_width, max(row.params.max_new_tokens for row in rows) - 1)
         prefilled = preallocated_cache(self._engine.model.config, prompt_width)
-        logits = self._engine._forward(input_ids, prompt_mask, positions, prefilled)
+        logits = self._prefill(distinct, input_ids, prompt_mask, positions, prefilled, self.width)
         device = logits.device
         index = torch.tensor(which, device=device)
         targets = torch.tensor(slots[: len(rows)], device=device)
@@ -498,18 +511,27 @@ class DecodeBatch:
         first = live[0]
         if all(row.params is first.params and row.generator is first.generator for row in live):
             # generate(): one set of parameters, one stream of random numbers for the batch.
-            token_ids, logprobs = sample_tokens(self._logits, first.params, first.generator)
+            token_ids, logprobs, top = sample_tokens(self._logits, first.params, first.generator)
         else:
-            token_ids, logprobs = self._sample_per_row()
+            token_ids, logprobs, top = self._sample_per_row()
         self._sampled = token_ids
         finished = []
         record = self._engine._record
-        for slot, (row, token_id, logprob) in enumerate(
-            zip(self._slots, token_ids.tolist(), logprobs.tolist(), strict=True)
+        # Alternatives are computed only when some row asked for them (top is None otherwise).
+        tops = (
+            [
+                list(zip(ids, values, strict=True))
+                for ids, values in zip(top.token_ids.tolist(), top.logprobs.tolist(), strict=True)
+            ]
+            if top is not None
+            else [None] * len(self._slots)
+        )
+        for slot, (row, token_id, logprob, alternatives) in enumerate(
+            zip(self._slots, token_ids.tolist(), logprobs.tolist(), tops, strict=True)
         ):
             if row is None:
                 continue
-            record(row, token_id, logprob)
+            record(row, token_id, logprob, alternatives)
             if row.listener is not None:
                 row.listener(row, token_id, logprob)
             if row.finish_reason is not None:
@@ -518,8 +540,9 @@ class DecodeBatch:
         self._engine._stats.generated_tokens += len(live)
         return finished
 
-    def _sample_per_row(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """sample_rows with each row's parameters and its own generator's draw."""
+    def _sample_per_row(self) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """sample_rows with each row's parameters and its own generator's draw; alternatives
+        when some row asks for them, as many as the most any row asks for."""
         assert self._logits is not None
         device = self._logits.device
         rows = self._slots
@@ -535,7 +558,8 @@ class DecodeBatch:
                 groups.setdefault(id(row.generator), (row.generator, []))[1].append(slot)
         for generator, slots in groups.values():
             uniform[slots] = torch.rand(len(slots), generator=generator, device=device)
-        return sample_rows(self._logits, temperature, top_k, top_p, uniform)
+        top = max((row.params.top_logprobs for row in rows if row is not None), default=0)
+        return sample_rows(self._logits, temperature, top_k, top_p, uniform, top=top)
 
     def _shrink(self) -> None:
         """An adaptive batch with no rows waiting drops to a quarter of its width or less."""
@@ -545,9 +569,10 @@ class DecodeBatch:
 
     # --- the layout --------------------------------------------------------------------------------
 
-    def _decoder(self) -> Decoder:
-        assert self._cache is not None
-        key = packed_width(self.width)
+    def _decoder(self, width: int, cache: DynamicCache) -> Decoder:
+        """The decode step for `width` rows (built once per packed_width) on caches like
+        `cache`."""
+        key = packed_width(width)
         decoder = self._decoders.get(key)
         if decoder is None:
             if len(self._decoders) >= MAX_PACKED_WIDTHS:
@@ -557,9 +582,9 @@ class DecodeBatch:
             # packs as it always did, so that its outputs stay what they were. oneDNN's packed
             # copy serves every width.
             pack = self._pack and (
-                key is None or self._fixed_width is not None or self.width >= PACK_MIN_WIDTH
+                key is None or self._fixed_width is not None or width >= PACK_MIN_WIDTH
             )
-            decoder = self._engine._decoder(self._cache, self.width, pack)
+            decoder = self._engine._decoder(cache, width, pack)
             self._decoders[key] = decoder
             extra = self._engine._stats.extra
             extra["decoders_built"] = extra.get("decoders_built", 0) + 1
@@ -567,6 +592,41 @@ class DecodeBatch:
                 time.perf_counter() - started
             )
         return decoder
+
+    def _prefill(
+        self,
+        prompts: list[list[int]],
+        input_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DynamicCache,
+        width: int,
+    ) -> torch.Tensor:
+        """Last-position logits [B, V] of `prompts` (left-padded: input_ids, prompt_mask,
+        positions [B, P]) prefilled into the empty `cache`, for a batch `width` rows wide.
+
+        Through the batch's written-out step where there is one (its packed weights are faster
+        here too), else the model's own forward. Prompts that begin alike (a system prompt, a
+        chat template) share that prefix: its keys and values are computed once and copied into
+        every row, and only the columns after it are run for the whole batch."""
+        decoder = self._decoder(width, cache)
+        if not isinstance(decoder, LlamaDecoder):
+            return self._engine._forward(input_ids, prompt_mask, positions, cache)
+        shared = shared_prefix_length(prompts)
+        if shared < SHARED_PREFIX_MIN_TOKENS:
+            return decoder.forward(input_ids, positions, prompt_mask, cache)
+        prefix_cache = preallocated_cache(self._engine.model.config, shared)
+        prefix = torch.tensor([prompts[0][:shared]], device=input_ids.device)
+        decoder.forward(prefix, torch.arange(shared)[None], torch.ones_like(prefix), prefix_cache)
+        # Row i's prompt takes columns P - len_i .. P - 1, its prefix the first `shared` of them.
+        # Columns from `tail` on are run for every row: the longest prompt's part after the
+        # prefix, and in shorter rows some prefix tokens again (same keys and values) or padding.
+        prompt_width = input_ids.shape[1]
+        firsts = [prompt_width - len(prompt) for prompt in prompts]
+        tail = prompt_width - max(len(prompt) for prompt in prompts) + shared
+        for layer, source in zip(cache.layers, prefix_cache.layers, strict=True):
+            layer.place_prefix(source.keys, source.values, firsts, tail)
+        return decoder.forward(input_ids[:, tail:], positions[:, tail:], prompt_mask, cache)
 
     def _free_slots(self) -> list[int]:
         return [slot for slot, row in enumerate(self._slots) if row is None]
@@ -635,6 +695,23 @@ def _prompt_batch(
     # sees the positions it would see alone (and that the learner's right-padded forward uses).
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
     return input_ids, prompt_mask, positions
+
+
+SHARED_PREFIX_MIN_TOKENS = 4
+"""Shortest common prompt prefix worth computing once: below it, the extra one-row forward and
+the copies cost about what they save."""
+
+
+def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
+    """How many leading tokens all of `prompts` share (two or more), leaving every prompt at
+    least one token of its own to run; 0 for a single prompt."""
+    if len(prompts) < 2:
+        return 0
+    shortest = min(len(prompt) for prompt in prompts)
+    length = 0
+    while length < shortest - 1 and all(p[length] == prompts[0][length] for p in prompts):
+        length += 1
+    return length
 
 
 def _distinct(prompts: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[int]]:
@@ -733,6 +810,25 @@ class _PreallocatedLayer(DynamicLayer):
         self._value_buffer[:, :, : self.length] = values
         self.keys = self._key_buffer[:, :, : self.length]
         self.values = self._value_buffer[:, :, : self.length]
+
+    def place_prefix(
+        self, keys: torch.Tensor, values: torch.Tensor, firsts: Sequence[int], length: int
+    ) -> None:
+        """Into a fresh layer: a shared prefix's keys and values [1, kv_heads, L, head_dim] at
+        columns firsts[i] .. firsts[i] + L - 1 of each row i; the filled length becomes `length`,
+        where the next update writes. The rest is zeroed: it is masked, but attention multiplies
+        its values by a weight of 0, and a NaN in uninitialized memory would survive that."""
+        rows = len(firsts)
+        self.lazy_initialization(keys.expand(rows, -1, -1, -1), values.expand(rows, -1, -1, -1))
+        self._key_buffer.zero_()
+        self._value_buffer.zero_()
+        span = keys.shape[-2]
+        for row, first in enumerate(firsts):
+            self._key_buffer[row, :, first : first + span] = keys[0]
+            self._value_buffer[row, :, first : first + span] = values[0]
+        self.length = length
+        self.keys = self._key_buffer[:, :, :length]
+        self.values = self._value_buffer[:, :, :length]
 
     def write(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, end: int) -> None:
         """Put keys and values [k, kv_heads, S, head_dim] (a prefill) into rows `rows` at
@@ -873,23 +969,52 @@ class LlamaDecoder:
         attention_mask: torch.Tensor,
         cache: DynamicCache,
     ) -> torch.Tensor:
-        """Next-token logits, float32 [B, V], after token_ids [B] at position_ids [B, 1];
-        attention_mask [B, seen] covers the cache and the new token, which goes into `cache`."""
+        """A decode step: next-token logits, float32 [B, V], after token_ids [B] at
+        position_ids [B, 1]; attention_mask [B, seen] covers the cache and the new token, which
+        goes into `cache`."""
+        return self.forward(token_ids[:, None], position_ids, attention_mask, cache)
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: DynamicCache,
+    ) -> torch.Tensor:
+        """Logits, float32 [B, V], after the S tokens token_ids [B, S] at position_ids [B, S]
+        (a prefill, or S = 1: a decode step), whose keys and values go into `cache`.
+        attention_mask [B, seen] covers the cache and the new tokens."""
         inner = self._model.model
-        hidden = inner.embed_tokens(token_ids)  # [B, hidden]
-        cos, sin = inner.rotary_emb(hidden, position_ids)  # [B, 1, head_dim], broadcast over heads
-        # One query per row: its mask is the same for all heads and queries, [B, 1, 1, seen], as
-        # an additive bias (0 or -inf), which SDPA applies faster than a boolean mask.
-        bias = torch.zeros(attention_mask.shape, dtype=hidden.dtype, device=hidden.device)
-        bias = bias.masked_fill_(attention_mask == 0, float("-inf"))[:, None, None, :]
+        hidden = inner.embed_tokens(token_ids)  # [B, S, hidden]
+        cos, sin = inner.rotary_emb(hidden, position_ids)  # [B, S, head_dim]
+        bias = attention_bias(attention_mask, token_ids.shape[1], hidden.dtype)
+        cos, sin = cos[:, :, None], sin[:, :, None]  # broadcast over heads
         for layer, layer_cache in zip(self._layers, cache.layers, strict=True):
             hidden = layer(hidden, cos, sin, bias, layer_cache)
-        return self._head(self._norm(hidden)).float()
+        return self._head(self._norm(hidden[:, -1])).float()
+
+
+def attention_bias(attention_mask: torch.Tensor, new: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive attention bias [B, 1, S, seen] (0 where a query attends, -inf elsewhere) of
+    the last `new` = S of the `seen` columns of attention_mask [B, seen]: a query sees the columns
+    of its row's mask up to its own (causal), and always itself.
+
+    Why itself always: a left-padded prompt's padding queries see nothing else; a row of only
+    -inf makes attention NaN, and NaN keys and values in the cache would poison later steps even
+    behind a mask (0 * NaN). SDPA applies an additive bias faster than a boolean mask."""
+    seen = attention_mask.shape[1]
+    visible = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, seen]
+    if new > 1:
+        query = torch.arange(seen - new, seen, device=attention_mask.device)[:, None]
+        column = torch.arange(seen, device=attention_mask.device)[None, :]
+        visible = (visible & (column <= query)) | (column == query)  # [B, 1, S, seen]
+    bias = torch.zeros(visible.shape, dtype=dtype, device=attention_mask.device)
+    return bias.masked_fill_(~visible, float("-inf"))
 
 
 @dataclass(eq=False)
 class _LlamaLayer:
-    """One decoder layer's weights, and what its decode step computes with them."""
+    """One decoder layer's weights, and what its forward computes with them."""
 
     input_norm: _RmsNorm
     qkv: _Projection
@@ -911,21 +1036,35 @@ class _LlamaLayer:
         bias: torch.Tensor,
         cache: _PreallocatedLayer,
     ) -> torch.Tensor:
-        batch, heads, kv_heads = hidden.shape[0], self.heads, self.kv_heads
-        qkv = self.qkv(self.input_norm(hidden)).view(batch, heads + 2 * kv_heads, self.head_dim)
+        """hidden [B, S, hidden] after this layer; cos, sin [B, S, 1, head_dim]; bias
+        [B, 1, S, seen]. The S tokens' keys and values go into `cache`."""
+        batch, new, width = hidden.shape
+        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
+        group = heads // kv_heads
+        x = self.input_norm(hidden).view(batch * new, width)
+        qkv = self.qkv(x).view(batch, new, heads + 2 * kv_heads, head_dim)
         # The query and key heads lie side by side: one rotation for both.
-        rotated = _rotate(qkv[:, : heads + kv_heads], cos, sin)
-        q, k, v = rotated[:, :heads], rotated[:, heads:], qkv[:, heads + kv_heads :]
-        keys, values = cache.update(k[:, :, None], v[:, :, None])  # [B, kv_heads, seen, head_dim]
-        # Grouped-query attention without repeating the keys: the query heads that share a key
-        # head (heads kv * group ... kv * group + group - 1) become that head's query rows.
-        grouped = q.reshape(batch, kv_heads, heads // kv_heads, self.head_dim)
+        rotated = _rotate(qkv[:, :, : heads + kv_heads], cos, sin)
+        q, k, v = rotated[:, :, :heads], rotated[:, :, heads:], qkv[:, :, heads + kv_heads :]
+        keys, values = cache.update(k.transpose(1, 2), v.transpose(1, 2))  # [B, kv, seen, D]
+        # Grouped-query attention without repeating the keys: the `group` query heads that share
+        # a key head become that head's query rows, group-major ([B, kv, group * S, D]), so row
+        # g * S + s is query s and its bias row is bias[s]: the bias repeats `group` times.
+        grouped = q.reshape(batch, new, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        grouped = grouped.reshape(batch, kv_heads, group * new, head_dim)
         attention = torch.nn.functional.scaled_dot_product_attention(
-            grouped, keys, values, attn_mask=bias, scale=self.scaling
+            grouped,
+            keys,
+            values,
+            attn_mask=bias if new == 1 else bias.repeat(1, 1, group, 1),
+            scale=self.scaling,
         )
-        hidden = hidden + self.o(attention.reshape(batch, heads * self.head_dim))
-        gate, up = self.gate_up(self.post_norm(hidden)).chunk(2, dim=-1)
-        return hidden + self.down(self.act(gate) * up)
+        attention = attention.view(batch, kv_heads, group, new, head_dim).permute(0, 3, 1, 2, 4)
+        attended = self.o(attention.reshape(batch * new, heads * head_dim))
+        hidden = hidden + attended.view(batch, new, width)
+        x = self.post_norm(hidden).view(batch * new, width)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return hidden + self.down(self.act(gate) * up).view(batch, new, width)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -2,20 +2,42 @@
 the batch, with the log-probs the learner recomputes.
 
 What a sampled log-prob is, precisely: log_softmax(logits / T)[token] in float32, T the
-temperature (T = 1 when greedy), computed BEFORE top-k/top-p truncation.
+temperature (T = 1 when greedy), computed BEFORE top-k/top-p truncation. The alternatives a
+request may ask for (its top_logprobs most likely tokens) are log-probs of that same distribution.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from rollout.engines.base import SamplingParams
 
 
+class TopLogprobs(NamedTuple):
+    """The most likely tokens of each row, most likely first."""
+
+    token_ids: torch.Tensor
+    """[B, N]"""
+    logprobs: torch.Tensor
+    """[B, N], under the same log_softmax(logits / T) as the sampled token's log-prob."""
+
+
+class Sampled(NamedTuple):
+    token_ids: torch.Tensor
+    """[B]"""
+    logprobs: torch.Tensor
+    """[B]"""
+    top: TopLogprobs | None
+    """The alternatives when some row asked for them, else None (and nothing was computed)."""
+
+
 def sample_tokens(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row from logits [B, V]: (token ids [B], their log-probs [B]).
+) -> Sampled:
+    """One token per row from logits [B, V]: token ids [B], their log-probs [B], and the
+    params.top_logprobs most likely tokens of every row when asked for.
 
     The log-prob is under log_softmax(logits / T) before top-k/top-p truncation; temperature 0
     is greedy and reports T=1 log-probs.
@@ -35,7 +57,7 @@ def sample_tokens(
     else:
         token_ids = scaled.argmax(-1)
     logprobs = (scaled.gather(-1, token_ids[:, None]) - log_normalizer).squeeze(-1)
-    return token_ids, logprobs
+    return Sampled(token_ids, logprobs, top_logprobs(scaled, log_normalizer, params.top_logprobs))
 
 
 def sample_rows(
@@ -44,10 +66,14 @@ def sample_rows(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     uniform: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    *,
+    top: int = 0,
+) -> Sampled:
     """sample_tokens with parameters per row: logits [B, V], temperature [B] (0: greedy),
     top_k [B] (0: off), top_p [B] (1: off), uniform [B] (each row's draw in [0, 1), unused by
-    greedy rows) -> (token ids [B], log-probs [B]), the log-probs as sample_tokens reports them.
+    greedy rows) -> token ids [B] and log-probs [B] as sample_tokens reports them, and the `top`
+    most likely tokens of every row when `top` > 0 (the most any row asked for: each row keeps
+    its own first few).
     """
     greedy = temperature <= 0
     scale = torch.where(greedy, torch.ones_like(temperature), temperature).to(logits.dtype)
@@ -64,7 +90,19 @@ def sample_rows(
     sampled = sample_proportional(weights, None, uniform=uniform.to(weights.dtype)[:, None])
     token_ids = torch.where(greedy, scaled.argmax(-1), sampled)
     logprobs = (scaled.gather(-1, token_ids[:, None]) - log_normalizer).squeeze(-1)
-    return token_ids, logprobs
+    return Sampled(token_ids, logprobs, top_logprobs(scaled, log_normalizer, top))
+
+
+def top_logprobs(
+    scaled: torch.Tensor, log_normalizer: torch.Tensor, count: int
+) -> TopLogprobs | None:
+    """The `count` most likely tokens of scaled logits [B, V] (logits / T) with their log-probs,
+    scaled - log_normalizer [B, 1]: the sampled token's log-prob, exactly, when it is among them.
+    None when count is 0, so that the default path costs nothing."""
+    if count <= 0:
+        return None
+    values, token_ids = scaled.topk(min(count, scaled.shape[-1]), dim=-1)
+    return TopLogprobs(token_ids, values - log_normalizer)
 
 
 def sample_proportional(

@@ -3,8 +3,10 @@
 One background thread owns the engine and steps one DecodeBatch (continuous batching): a request
 submitted from any thread joins the running batch at the next step, its n samples sharing one
 prefill. Its handle streams events as tokens are sampled and gives the list[Completion] at the
-end. Cancelling a handle (a client went away) frees its rows at the next step. `close()` takes
-no new requests, finishes the ones in flight, then stops the thread.
+end; the handles of prompts submitted together (submit_many) stream through one queue, read with
+merge_events as their tokens come, whichever prompt they belong to. Cancelling a handle (a client
+went away) frees its rows at the next step. `close()` takes no new requests, finishes the ones in
+flight, then stops the thread.
 
     with EngineService(engine) as service:
         handle = service.submit(prompt_ids, SamplingParams(max_new_tokens=64, n=2))
@@ -68,16 +70,30 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     completion: Completion | None = None
     """The sample's Completion, on its last event."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """The alternatives of each of token_ids, when the request asked for them."""
 
 
 class RequestHandle:
     """One submitted request: its events as they come, its completions at the end."""
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, decode: Callable) -> None:
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        decode: Callable,
+        *,
+        events: queue.SimpleQueue[tuple[Any, ...]] | None = None,
+        tag: int = 0,
+    ) -> None:
+        """`events` is the queue the engine thread reports to, shared by the handles submitted
+        together; `tag` is this handle's place among them."""
         self.prompt_ids = prompt_ids
         self.params = params
         self._decode = decode
-        self._queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._queue = events if events is not None else queue.SimpleQueue()
+        self._tag = tag
+        self._group: list[RequestHandle] = [self]
         self._completions: list[Completion | None] = [None] * params.n
         self._remaining = params.n
         self._done = threading.Event()
@@ -102,7 +118,7 @@ class RequestHandle:
         self._cancelled = True
         for row in self._rows:
             row.cancelled = True
-        self._queue.put(("cancelled",))
+        self._queue.put((self._tag, "cancelled"))
         self._done.set()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -127,42 +143,70 @@ class RequestHandle:
         """The request's events, as its tokens are sampled, until every sample has finished.
 
         One consumer only. `timeout` bounds each wait for the next token (queue.Empty after it);
-        the engine's exception is raised if a step failed; a cancelled request just ends.
+        the engine's exception is raised if a step failed; a cancelled request just ends. A
+        handle submitted with others (submit_many) is read with merge_events instead.
         """
-        streams = [_TextStream(self._decode, self.params.stop) for _ in range(self.params.n)]
-        finished = 0
-        while finished < self.params.n:
-            kind, *rest = self._queue.get(timeout=timeout)
-            if kind == "token":
-                sample, token_id, logprob = rest
-                event = streams[sample].push(sample, token_id, logprob)
-                if event is not None:
-                    yield event
-            elif kind == "done":
-                sample, completion = rest
-                finished += 1
-                yield streams[sample].finish(sample, completion)
-            elif kind == "error":
-                raise rest[0]
-            else:  # cancelled
-                return
+        if len(self._group) > 1:
+            raise ValueError("this request was submitted with others: read them with merge_events")
+        for _, event in merge_events([self], timeout):
+            yield event
 
     # --- called by the engine thread ---------------------------------------------------------------
 
     def _on_token(self, sample: int, row: GenerationRow, token_id: int, logprob: float) -> None:
-        self._queue.put(("token", sample, token_id, logprob))
+        top = row.top_logprobs[-1] if self.params.top_logprobs else None
+        self._queue.put((self._tag, "token", sample, token_id, logprob, top))
 
     def _finish(self, sample: int, completion: Completion) -> None:
         self._completions[sample] = completion
-        self._queue.put(("done", sample, completion))
+        self._queue.put((self._tag, "done", sample, completion))
         self._remaining -= 1
         if self._remaining == 0:
             self._done.set()
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
-        self._queue.put(("error", error))
+        self._queue.put((self._tag, "error", error))
         self._done.set()
+
+
+def merge_events(
+    handles: Sequence[RequestHandle], timeout: float | None = None
+) -> Iterator[tuple[int, TokenEvent]]:
+    """The events of every handle of one submit_many call (all of them, in order), as they
+    come, each with its handle's index, until every sample of every handle has finished.
+
+    One consumer only. `timeout` bounds each wait for the next token (queue.Empty after it);
+    the engine's exception is raised if a step failed; a cancelled handle's part just ends.
+    """
+    if not handles or list(handles) != handles[0]._group:
+        raise ValueError("merge_events takes every handle of one submit_many call, in order")
+    shared = handles[0]._queue
+    streams = [
+        [
+            _TextStream(h._decode, h.params.stop, h.params.top_logprobs > 0)
+            for _ in range(h.params.n)
+        ]
+        for h in handles
+    ]
+    unfinished = [handle.params.n for handle in handles]
+    while any(unfinished):
+        tag, kind, *rest = shared.get(timeout=timeout)
+        if not unfinished[tag]:
+            continue  # a token sampled while its handle was being cancelled
+        if kind == "token":
+            sample, token_id, logprob, top = rest
+            event = streams[tag][sample].push(sample, token_id, logprob, top)
+            if event is not None:
+                yield tag, event
+        elif kind == "done":
+            sample, completion = rest
+            unfinished[tag] -= 1
+            yield tag, streams[tag][sample].finish(sample, completion)
+        elif kind == "error":
+            raise rest[0]
+        else:  # cancelled
+            unfinished[tag] = 0
 
 
 class EngineService:
@@ -208,19 +252,36 @@ class EngineService:
         Raises ValueError for an empty prompt, ServiceClosed after close(), ServiceBusy when
         max_requests are already queued or running.
         """
-        handle = RequestHandle(list(prompt_ids), params, self._decode)
-        handle._rows = self._engine.rows(prompt_ids, params)
-        for sample, row in enumerate(handle._rows):
-            row.listener = partial(handle._on_token, sample)
+        return self.submit_many([prompt_ids], [params])[0]
+
+    def submit_many(
+        self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]
+    ) -> list[RequestHandle]:
+        """Queue several prompts, each with its own parameters, as one request per prompt whose
+        events share one queue (read them with merge_events); thread-safe. All are taken, or
+        none: the errors are submit's.
+        """
+        if len(prompts) != len(params):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameters")
+        events: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        handles = [
+            RequestHandle(list(prompt), each, self._decode, events=events, tag=tag)
+            for tag, (prompt, each) in enumerate(zip(prompts, params, strict=True))
+        ]
+        for handle in handles:
+            handle._group = handles
+            handle._rows = self._engine.rows(handle.prompt_ids, handle.params)
+            for sample, row in enumerate(handle._rows):
+                row.listener = partial(handle._on_token, sample)
         with self._lock:
             if self._closing:
                 raise ServiceClosed("the service is shutting down")
-            if self._in_flight >= self._max_requests:
+            if self._in_flight + len(handles) > self._max_requests:
                 raise ServiceBusy(f"{self._in_flight} requests are already queued or running")
-            self._in_flight += 1
-            self._inbox.append(handle)
+            self._in_flight += len(handles)
+            self._inbox.extend(handles)
             self._lock.notify()
-        return handle
+        return handles
 
     def close(self, timeout: float | None = None) -> None:
         """Take no new requests, finish those in flight, stop the thread (wait at most
@@ -280,35 +341,46 @@ class EngineService:
 class _TextStream:
     """One sample's text as it grows: releases text that no stop string can take back."""
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], stop: tuple[str, ...]) -> None:
+    def __init__(
+        self, decode: Callable[[Sequence[int]], str], stop: tuple[str, ...], top: bool
+    ) -> None:
         self._decode = decode
         self._stop = stop
         self._token_ids: list[int] = []
         self._logprobs: list[float] = []
+        self._top: list[list[tuple[int, float]]] | None = [] if top else None
         self._released = 0
         self._text = ""
 
-    def push(self, sample: int, token_id: int, logprob: float) -> TokenEvent | None:
+    def push(
+        self, sample: int, token_id: int, logprob: float, top: list[tuple[int, float]] | None
+    ) -> TokenEvent | None:
         self._token_ids.append(token_id)
         self._logprobs.append(logprob)
+        if self._top is not None and top is not None:
+            self._top.append(top)
         full = self._decode(self._token_ids)
         safe = releasable(full, self._stop)
         if not safe.startswith(self._text):
             return None  # the decoded text changed behind us: wait for the end
         delta, self._text = safe[len(self._text) :], safe
         tokens, logprobs = [], []
+        alternatives = [] if self._top is not None else None
         if safe == full:  # nothing held back: every token so far is out
             tokens = self._token_ids[self._released :]
             logprobs = self._logprobs[self._released :]
+            if self._top is not None:
+                alternatives = self._top[self._released :]
             self._released = len(self._token_ids)
         if not delta and not tokens:
             return None
-        return TokenEvent(sample, tokens, logprobs, delta)
+        return TokenEvent(sample, tokens, logprobs, delta, top_logprobs=alternatives)
 
     def finish(self, sample: int, completion: Completion) -> TokenEvent:
         text = completion.text
         delta = text[len(self._text) :] if text.startswith(self._text) else ""
         released = min(self._released, len(completion.token_ids))
+        top = completion.top_logprobs
         return TokenEvent(
             sample,
             completion.token_ids[released:],
@@ -316,6 +388,7 @@ class _TextStream:
             delta,
             completion.finish_reason,
             completion,
+            top_logprobs=top[released:] if top is not None else None,
         )
 
 

@@ -14,6 +14,8 @@ learner cannot tell the engines apart:
   log_softmax(logits / T) when top_k and top_p are off. With top_k or top_p on, vLLM reports the
   log-probability after truncation (renormalized over the kept tokens) where the hf engine
   reports it before: the two then differ, and the learner recomputes the hf definition.
+- top_logprobs (SamplingParams.top_logprobs = N) is vLLM's `logprobs = N`: each position's N most
+  likely tokens, with log-probs of the same kind as the sampled token's.
 - text is decoded by vLLM's tokenizer without special tokens, cut before the first stop string.
 
 Weights from the learner are pushed into the model vLLM runs, in place, through
@@ -182,7 +184,8 @@ def vllm_sampling_arguments(
         "stop_token_ids": list(eos_token_ids),
         "include_stop_str_in_output": False,
         "skip_special_tokens": True,
-        "logprobs": 0,  # the sampled token's log-prob only
+        # The sampled token's log-prob always; with N > 0, the N most likely tokens' too.
+        "logprobs": params.top_logprobs,
     }
 
 
@@ -244,10 +247,12 @@ def completion_from_output(
     """One vLLM sample as a Completion: the hf engine's finish reasons, stop cutting and text."""
     token_ids = list(sample.token_ids)
     logprobs = sampled_logprobs(sample, token_ids)
+    top = top_logprobs(sample, params.top_logprobs) if params.top_logprobs else None
     reason = finish_reason(sample)
     if reason == "stop":
         keep, text = cut_at_stop(token_ids, params.stop, decode)
         token_ids, logprobs = token_ids[:keep], logprobs[:keep]
+        top = top[:keep] if top is not None else None
     else:
         text = decode(token_ids)
     return Completion(
@@ -257,6 +262,7 @@ def completion_from_output(
         text=text,
         finish_reason=reason,
         policy_version=version,
+        top_logprobs=top,
     )
 
 
@@ -281,4 +287,14 @@ def sampled_logprobs(sample: CompletionOutputLike, token_ids: Sequence[int]) -> 
         )
     return [
         float(step[token].logprob) for step, token in zip(sample.logprobs, token_ids, strict=True)
+    ]
+
+
+def top_logprobs(sample: CompletionOutputLike, count: int) -> list[list[tuple[int, float]]]:
+    """The `count` most likely (token id, log-prob) of each position, most likely first. vLLM's
+    {token id: Logprob} holds them and the sampled token, which may rank below them."""
+    assert sample.logprobs is not None  # sampled_logprobs checked it
+    return [
+        sorted(((t, float(p.logprob)) for t, p in step.items()), key=lambda x: -x[1])[:count]
+        for step in sample.logprobs
     ]

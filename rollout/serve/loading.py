@@ -12,8 +12,10 @@ Sources, exactly one:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import ssl
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,6 +115,63 @@ def resolve_api_key(reference: str | None, host: str) -> str | None:
     return key
 
 
+def tls_context(cert: Path | None, key: Path | None) -> ssl.SSLContext | None:
+    """The server's TLS context from --tls-cert and --tls-key (PEM files, both or neither;
+    TLS 1.2 or later), None without them. Every problem is a RolloutError naming the flag."""
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        given, missing = ("--tls-cert", "--tls-key") if key is None else ("--tls-key", "--tls-cert")
+        raise RolloutError(
+            Issue(
+                missing,
+                f"{given} needs {missing} too",
+                hint="give both: the certificate (chain) and its private key, as PEM files",
+            )
+        )
+    if b"-----BEGIN CERTIFICATE-----" not in _read("--tls-cert", cert):
+        raise RolloutError(Issue("--tls-cert", f"{cert} holds no PEM certificate"))
+    if b"PRIVATE KEY-----" not in _read("--tls-key", key):
+        raise RolloutError(Issue("--tls-key", f"{key} holds no PEM private key"))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        # Without a password callback OpenSSL would prompt for an encrypted key's passphrase on
+        # the terminal; the callback refuses instead.
+        context.load_cert_chain(cert, key, password=_refuse_passphrase)
+    except _EncryptedKey:
+        raise RolloutError(
+            Issue(
+                "--tls-key",
+                f"{key} is encrypted with a passphrase",
+                hint=f"serve an unencrypted copy: openssl pkey -in {key} -out key.pem "
+                "(readable only by you)",
+            )
+        ) from None
+    except ssl.SSLError as error:
+        if error.reason == "KEY_VALUES_MISMATCH":
+            message = f"{key} is not the private key of the certificate {cert}"
+        else:
+            message = f"cannot load the certificate {cert} with the key {key}: {error.reason}"
+        raise RolloutError(Issue("--tls-key", message)) from None
+    return context
+
+
+class _EncryptedKey(Exception):
+    pass
+
+
+def _refuse_passphrase() -> str:
+    raise _EncryptedKey
+
+
+def _read(flag: str, path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as error:
+        raise RolloutError(Issue(flag, f"cannot read {path}: {error.strerror}")) from None
+
+
 def is_loopback(host: str) -> bool:
     import ipaddress
 
@@ -172,9 +231,13 @@ def load_served(
         defaults=source.defaults,
     )
     service = EngineService(engine)
-    return ServedModel(
-        info, service, lambda token_id: tokenizer.decode([token_id]), created=int(time.time())
-    )
+
+    # Alternatives (top_logprobs) ask for up to 20 token texts per sampled token: cache them.
+    @functools.lru_cache(maxsize=1 << 16)
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+
+    return ServedModel(info, service, token_text, created=int(time.time()))
 
 
 def _from_config(path: Path, name: str | None) -> ServeSource:

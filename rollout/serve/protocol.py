@@ -31,6 +31,10 @@ MAX_PROMPTS = 64
 """Most prompts in one /v1/completions request."""
 MAX_STOP = 4
 """Most stop strings, as OpenAI allows."""
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per token in chat (top_logprobs), as OpenAI allows."""
+MAX_COMPLETION_LOGPROBS = 5
+"""Most alternatives per token in completions (logprobs: N), as OpenAI allows."""
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 Kind = Literal["completion", "chat"]
@@ -101,6 +105,8 @@ class GenerationRequest:
     params: SamplingParams
     stream: bool
     logprobs: bool
+    """Whether choices carry OpenAI's logprobs object; params.top_logprobs says how many
+    alternatives each token lists."""
     include_usage: bool
     """stream_options.include_usage: a last chunk with the usage counts."""
 
@@ -144,9 +150,14 @@ def parse_request(kind: Kind, body: Any, model: ModelInfo) -> GenerationRequest:
     include_usage = bool(stream and options and options.get("include_usage") is True)
     if kind == "chat":
         logprobs = _boolean(body, "logprobs", False)
-        _integer(body, "top_logprobs", 0, low=0, high=0)  # alternatives are not computed
+        top_logprobs = _integer(body, "top_logprobs", 0, low=0, high=MAX_TOP_LOGPROBS)
+        if top_logprobs and not logprobs:
+            raise ApiError(
+                400, "'top_logprobs' needs 'logprobs': true as well", param="top_logprobs"
+            )
     else:
-        logprobs = _integer(body, "logprobs", None, low=0, high=5) is not None
+        requested = _integer(body, "logprobs", None, low=0, high=MAX_COMPLETION_LOGPROBS)
+        logprobs, top_logprobs = requested is not None, requested or 0
     seed = _integer(body, "seed", None, low=None, high=None)
     params = SamplingParams(
         max_new_tokens=max_tokens,
@@ -156,6 +167,7 @@ def parse_request(kind: Kind, body: Any, model: ModelInfo) -> GenerationRequest:
         stop=_stop(body.get("stop"), model.defaults.stop),
         n=n,
         seed=seed,
+        top_logprobs=top_logprobs,
     )
     return GenerationRequest(kind, prompts, params, stream, logprobs, include_usage)
 
@@ -347,32 +359,54 @@ def rollout_fields(prompt: Sequence[int], completion: Completion) -> dict[str, A
 
 
 def logprobs_body(
-    kind: Kind, token_ids: Sequence[int], logprobs: Sequence[float], token_text: Callable
+    kind: Kind,
+    token_ids: Sequence[int],
+    logprobs: Sequence[float],
+    token_text: Callable[[int], str],
+    top: Sequence[Sequence[tuple[int, float]]] | None = None,
 ) -> dict[str, Any]:
-    """OpenAI's logprobs object for sampled tokens (no alternatives: top_logprobs stay empty)."""
+    """OpenAI's logprobs object for sampled tokens and, per token, its alternatives `top`
+    ((token id, log-prob), most likely first; None when none were asked for).
+
+    Chat lists exactly the alternatives; completions, as OpenAI's legacy endpoint, map each
+    alternative's text to its log-prob and always add the sampled token's.
+    """
     texts = [token_text(t) for t in token_ids]
+    alternatives = top if top is not None else [[] for _ in token_ids]
     if kind == "chat":
         return {
             "content": [
-                {
-                    "token": text,
-                    "logprob": logprob,
-                    "bytes": list(text.encode("utf-8")),
-                    "top_logprobs": [],
-                }
-                for text, logprob in zip(texts, logprobs, strict=True)
+                {**_token_logprob(text, logprob), "top_logprobs": _chat_top(others, token_text)}
+                for text, logprob, others in zip(texts, logprobs, alternatives, strict=True)
             ]
         }
     offsets, at = [], 0
     for text in texts:
         offsets.append(at)
         at += len(text)
+    tops = []
+    for text, logprob, others in zip(texts, logprobs, alternatives, strict=True):
+        ranked: dict[str, float] = {}
+        for token_id, value in others:
+            ranked.setdefault(token_text(token_id), value)  # two ids may decode alike
+        ranked.setdefault(text, logprob)
+        tops.append(ranked)
     return {
         "tokens": texts,
         "token_logprobs": list(logprobs),
-        "top_logprobs": None,
+        "top_logprobs": tops,
         "text_offset": offsets,
     }
+
+
+def _token_logprob(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _chat_top(
+    alternatives: Sequence[tuple[int, float]], token_text: Callable[[int], str]
+) -> list[dict[str, Any]]:
+    return [_token_logprob(token_text(token_id), value) for token_id, value in alternatives]
 
 
 def usage(prompts: Sequence[Sequence[int]], completions: Sequence[Completion]) -> dict[str, int]:

@@ -3,13 +3,14 @@
 One thread per connection parses and checks a request, submits its prompts to the EngineService
 (whose single engine thread batches the requests of every connection together) and writes the
 answer: one JSON body, or server-sent events (`data: {...}` chunks, then `data: [DONE]`) in a
-chunked HTTP/1.1 response. A client that goes away has its request cancelled: a failed write
+chunked HTTP/1.1 response, each prompt's chunks sent as its tokens come. A client that goes away has its request cancelled: a failed write
 while streaming, a closed socket while waiting. Every bad request gets a 4xx in OpenAI's error
 shape and the server carries on; only a bug in the server itself gives a 500.
 
 Security: an API key, when set, is checked on every route (401 otherwise); the CLI binds only a
-loopback address without one. Request bodies are capped at MAX_BODY_BYTES and idle connections
-time out after IDLE_TIMEOUT_S.
+loopback address without one. With an ssl.SSLContext the listening socket is wrapped and every
+connection speaks TLS (its handshake runs in the connection's thread, not the accepting one).
+Request bodies are capped at MAX_BODY_BYTES and idle connections time out after IDLE_TIMEOUT_S.
 
 stop() is the graceful shutdown: no new connections, idle keep-alive connections closed,
 requests in flight answered in full, then the engine thread stopped.
@@ -23,6 +24,7 @@ import json
 import logging
 import select
 import socket
+import ssl
 import threading
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -35,6 +37,7 @@ from rollout.engines.service import (
     RequestHandle,
     ServiceBusy,
     ServiceClosed,
+    merge_events,
 )
 from rollout.serve.protocol import (
     OPENAI_FINISH,
@@ -77,18 +80,33 @@ class OpenAIServer(ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 128  # the listen backlog: socketserver's 5 resets a burst of clients
 
-    def __init__(self, address: tuple[str, int], model: ServedModel, *, api_key: str | None):
+    def __init__(
+        self,
+        address: tuple[str, int],
+        model: ServedModel,
+        *,
+        api_key: str | None,
+        tls: ssl.SSLContext | None = None,
+    ):
+        """`tls`: serve HTTPS with this server-side context (rollout.serve.loading.tls_context)."""
         self.model = model
         self.api_key = api_key
         self.stopping = False
         self._connections: dict[_Handler, bool] = {}  # handler -> busy with a request
         self._connections_lock = threading.Lock()
         super().__init__(address, _Handler)
+        self.https = tls is not None
+        if tls is not None:
+            # Accepted sockets inherit do_handshake_on_connect: False keeps a slow or hostile
+            # client's handshake out of the accepting thread (_Handler.handle does it).
+            self.socket = tls.wrap_socket(
+                self.socket, server_side=True, do_handshake_on_connect=False
+            )
 
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host}:{port}/v1"
+        return f"{'https' if self.https else 'http'}://{host}:{port}/v1"
 
     def stop(self) -> None:
         """Graceful shutdown (from any thread but serve_forever's): stop accepting, close idle
@@ -127,6 +145,16 @@ class _Handler(BaseHTTPRequestHandler):
     def close_socket(self) -> None:
         with contextlib.suppress(OSError):
             self.connection.shutdown(socket.SHUT_RDWR)
+
+    def handle(self) -> None:
+        if isinstance(self.connection, ssl.SSLSocket):
+            try:
+                self.connection.do_handshake()  # under the connection's idle timeout
+            except (OSError, ValueError) as error:  # ssl.SSLError is an OSError
+                log.debug("TLS handshake with %s failed: %s", self.address_string(), error)
+                self.close_connection = True
+                return
+        super().handle()
 
     def parse_request(self) -> bool:
         self.server._track(self, True)  # a request line arrived: no longer idle
@@ -228,15 +256,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _submit(self, request: GenerationRequest) -> list[RequestHandle]:
         service = self.server.model.service
-        handles: list[RequestHandle] = []
+        params = [per_prompt(request, index) for index in range(len(request.prompts))]
         try:
-            for index, prompt in enumerate(request.prompts):
-                handles.append(service.submit(prompt, per_prompt(request, index)))
+            return service.submit_many(request.prompts, params)
         except (ServiceBusy, ServiceClosed) as error:
-            for handle in handles:
-                handle.cancel()
             raise ApiError(503, str(error), type="server_error", code="unavailable") from None
-        return handles
 
     # --- answers -------------------------------------------------------------------------------
 
@@ -261,7 +285,13 @@ class _Handler(BaseHTTPRequestHandler):
                     choice["text"] = completion.text
                 choice["finish_reason"] = OPENAI_FINISH[completion.finish_reason]
                 choice["logprobs"] = (
-                    logprobs_body(kind, completion.token_ids, completion.logprobs, model.token_text)
+                    logprobs_body(
+                        kind,
+                        completion.token_ids,
+                        completion.logprobs,
+                        model.token_text,
+                        completion.top_logprobs,
+                    )
                     if request.logprobs
                     else None
                 )
@@ -282,26 +312,27 @@ class _Handler(BaseHTTPRequestHandler):
         completions: list[Completion] = []
         n = request.params.n
         try:
-            for number, (prompt, handle) in enumerate(zip(request.prompts, handles, strict=True)):
-                if kind == "chat":
-                    for sample in range(n):
-                        delta = {"role": "assistant", "content": ""}
-                        self._event(self._chunk(request, ident, number * n + sample, delta))
-                for event in handle.events():
-                    index = number * n + event.sample
-                    delta = {"content": event.text} if kind == "chat" else event.text
-                    chunk = self._chunk(request, ident, index, delta)
-                    choice = chunk["choices"][0]
-                    if request.logprobs and event.token_ids:
-                        choice["logprobs"] = logprobs_body(
-                            kind, event.token_ids, event.logprobs, model.token_text
-                        )
-                    if event.completion is not None:
-                        completion = event.completion
-                        completions.append(completion)
-                        choice["finish_reason"] = OPENAI_FINISH[completion.finish_reason]
-                        choice["rollout"] = rollout_fields(prompt, completion)
-                    self._event(chunk)
+            if kind == "chat":  # one prompt
+                for index in range(n):
+                    delta = {"role": "assistant", "content": ""}
+                    self._event(self._chunk(request, ident, index, delta))
+            # Every prompt's tokens as they are sampled: a short completion is not held up
+            # behind a long one of an earlier prompt.
+            for number, event in merge_events(handles):
+                index = number * n + event.sample
+                delta = {"content": event.text} if kind == "chat" else event.text
+                chunk = self._chunk(request, ident, index, delta)
+                choice = chunk["choices"][0]
+                if request.logprobs and event.token_ids:
+                    choice["logprobs"] = logprobs_body(
+                        kind, event.token_ids, event.logprobs, model.token_text, event.top_logprobs
+                    )
+                if event.completion is not None:
+                    completion = event.completion
+                    completions.append(completion)
+                    choice["finish_reason"] = OPENAI_FINISH[completion.finish_reason]
+                    choice["rollout"] = rollout_fields(request.prompts[number], completion)
+                self._event(chunk)
             if request.include_usage:
                 chunk = envelope(kind, ident, model.info.name, chunk=True)
                 chunk["choices"] = []
@@ -383,6 +414,23 @@ class _Handler(BaseHTTPRequestHandler):
             readable, _, _ = select.select([self.connection], [], [], 0)
             if not readable:
                 return False
+            if isinstance(self.connection, ssl.SSLSocket):
+                return self._tls_client_gone(self.connection)
             return self.connection.recv(1, socket.MSG_PEEK) == b""
         except (OSError, ValueError):
             return True
+
+    def _tls_client_gone(self, connection: ssl.SSLSocket) -> bool:
+        """_client_gone over TLS, which cannot peek: TLS 1.3 encrypts a close_notify like data,
+        so only reading tells. A byte of a pipelined next request is lost that way: the
+        connection then closes after this answer, and the client sends that request again."""
+        connection.settimeout(0)  # a record that has not fully arrived must not block the wait
+        try:
+            data = connection.recv(1)
+        except ssl.SSLWantReadError:
+            return False
+        finally:
+            connection.settimeout(self.timeout)
+        if data:
+            self.close_connection = True
+        return data == b""

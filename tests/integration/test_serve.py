@@ -1,13 +1,18 @@
 """`rollout serve` over real HTTP on loopback, driven by the real `openai` client, on the tiny
-model: the routes, streaming, n, stop strings, logprobs, the `rollout` extension, batching of
-concurrent clients, the API key, bad input, and graceful shutdown of the real CLI process."""
+model: the routes, streaming, n, stop strings, logprobs and their alternatives, the `rollout`
+extension, batching of concurrent clients, the API key, TLS, bad input, graceful shutdown of the
+real CLI process, and a trained run served by its id."""
 
 from __future__ import annotations
 
+import datetime
 import http.client
+import ipaddress
 import json
 import os
+import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -20,8 +25,11 @@ from typer.testing import CliRunner
 
 from rollout.cli.app import app
 from rollout.errors import RolloutError
-from rollout.serve.loading import load_served, resolve_source
+from rollout.serve.loading import load_served, resolve_source, tls_context
 from rollout.serve.server import OpenAIServer
+
+# test_run_grpo's run-making helpers and its workdir fixture (a copy of examples/).
+from tests.integration.test_run_grpo import environment, only_run, rollout, workdir  # noqa: F401
 
 MODEL = "tiny-llama"
 WAIT_S = 60
@@ -50,10 +58,10 @@ def tiny(model_cache):
     return load_model(facts, section, dtype="float32", device="cpu")
 
 
-def start(host: str = "127.0.0.1", api_key: str | None = None):
+def start(host: str = "127.0.0.1", api_key: str | None = None, tls: ssl.SSLContext | None = None):
     source = resolve_source(config=None, model=f"builtin:{MODEL}", checkpoint=None, name=None)
     served = load_served(source, device="cpu", dtype="auto", seed=0, max_batch_size=8)
-    server = OpenAIServer((host, 0), served, api_key=api_key)
+    server = OpenAIServer((host, 0), served, api_key=api_key, tls=tls)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
     thread.start()
     return server, thread
@@ -123,6 +131,94 @@ def test_chat_applies_the_template(client, tiny):
     assert [t.logprob for t in choice.logprobs.content] == choice.model_extra["rollout"]["logprobs"]
 
 
+def expected_top(tiny, prompt_ids: list[int], token_ids: list[int], count: int):
+    """What the alternatives must be: log_softmax(logits)(T = 1, greedy) of one forward over
+    prompt + completion, top `count` at each completion position, as (texts, log-probs)."""
+    import torch
+
+    with torch.no_grad():
+        logits = tiny.model(input_ids=torch.tensor([prompt_ids + token_ids])).logits[0].float()
+    start = len(prompt_ids) - 1
+    top = logits[start : start + len(token_ids)].log_softmax(-1).topk(count)
+    texts = [[tiny.tokenizer.decode([t]) for t in row] for row in top.indices.tolist()]
+    return texts, top.values.tolist()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_chat_top_logprobs_list_the_most_likely_tokens(client, tiny, stream):
+    arguments = {"model": MODEL, "messages": chat("Hi"), "max_tokens": 6, "temperature": 0}
+    whole = client.chat.completions.create(logprobs=True, top_logprobs=3, **arguments)
+    (choice,) = whole.choices
+    extension = choice.model_extra["rollout"]
+    texts, values = expected_top(tiny, extension["prompt_token_ids"], extension["token_ids"], 3)
+    content = choice.logprobs.content
+    assert len(content) == len(extension["token_ids"]) == 6
+    for token, expected_texts, expected_values in zip(content, texts, values, strict=True):
+        assert [t.token for t in token.top_logprobs] == expected_texts
+        assert [t.logprob for t in token.top_logprobs] == pytest.approx(expected_values, abs=1e-4)
+        assert token.top_logprobs[0].logprob == token.logprob  # greedy: the sampled one is first
+        assert all(t.bytes == list(t.token.encode()) for t in token.top_logprobs)
+    if stream:
+        chunks = client.chat.completions.create(
+            logprobs=True, top_logprobs=3, stream=True, **arguments
+        )
+        streamed = [
+            t
+            for c in chunks
+            if c.choices and c.choices[0].logprobs
+            for t in c.choices[0].logprobs.content
+        ]
+        assert [t.model_dump() for t in streamed] == [t.model_dump() for t in content]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_completion_logprobs_n_map_the_alternatives_texts(client, tiny, stream):
+    arguments = {"model": MODEL, "prompt": "Once upon", "max_tokens": 5, "temperature": 0}
+    whole = client.completions.create(logprobs=2, **arguments)
+    (choice,) = whole.choices
+    extension = choice.model_extra["rollout"]
+    texts, values = expected_top(tiny, extension["prompt_token_ids"], extension["token_ids"], 2)
+    tops = choice.logprobs.top_logprobs
+    assert len(tops) == 5
+    for top, token, logprob, expected_texts, expected_values in zip(
+        tops, choice.logprobs.tokens, choice.logprobs.token_logprobs, texts, values, strict=True
+    ):
+        assert list(top) == expected_texts  # most likely first; greedy: the sampled token's
+        assert list(top.values()) == pytest.approx(expected_values, abs=1e-4)
+        assert top[token] == logprob
+    if stream:
+        chunks = client.completions.create(logprobs=2, stream=True, **arguments)
+        streamed = [
+            t
+            for c in chunks
+            if c.choices and c.choices[0].logprobs
+            for t in c.choices[0].logprobs.top_logprobs
+        ]
+        assert streamed == tops
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("chat", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ("chat", {"logprobs": True, "top_logprobs": "3"}, "top_logprobs"),
+        ("chat", {"top_logprobs": 2}, "top_logprobs"),
+        ("chat", {"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+        ("completions", {"logprobs": 6}, "logprobs"),
+        ("completions", {"logprobs": True}, "logprobs"),
+    ],
+    ids=["over-20", "negative", "a-string", "without-logprobs", "logprobs-false", "over-5", "bool"],
+)
+def test_bad_top_logprobs_get_a_400(server, route, body, param):
+    if route == "chat":
+        path, body = "/v1/chat/completions", {"model": MODEL, "messages": chat("x"), **body}
+    else:
+        path, body = "/v1/completions", {"model": MODEL, "prompt": "x", **body}
+    status, error = raw(server, "POST", path, json.dumps(body).encode())
+    assert status == 400 and error["error"]["param"] == param
+
+
 @pytest.mark.parametrize("kind", ["completion", "chat"])
 def test_streaming_ends_with_done_and_adds_up_to_the_non_streamed_text(server, client, kind):
     arguments = {"model": MODEL, "max_tokens": 20, "temperature": 0}
@@ -154,6 +250,39 @@ def test_streaming_ends_with_done_and_adds_up_to_the_non_streamed_text(server, c
         last["choices"][0]["rollout"]["token_ids"]
         == (whole.choices[0].model_extra["rollout"]["token_ids"])
     )
+
+
+def test_a_multi_prompt_stream_interleaves_the_prompts(client):
+    """Prompt 1 stops early (a stop string) while prompt 0 runs 40 tokens: prompt 1's end is
+    streamed before prompt 0's, not after it, and each choice adds up to the non-streamed one.
+    Greedy, so that neither prompt's text depends on when the other one ends."""
+    arguments = {"model": MODEL, "prompt": ["Once upon a time", "Count"], "max_tokens": 40}
+    arguments["temperature"] = 0
+    free = sorted(client.completions.create(**arguments).choices, key=lambda c: c.index)
+    long_text, short_text = free[0].text, free[1].text
+    stop = next(
+        short_text[i : i + 2]
+        for i in range(1, 12)
+        if short_text[i : i + 2].strip()
+        and short_text.find(short_text[i : i + 2]) == i
+        and short_text[i : i + 2] not in long_text
+    )
+    whole = sorted(client.completions.create(stop=stop, **arguments).choices, key=lambda c: c.index)
+    assert [c.finish_reason for c in whole] == ["length", "stop"]
+    assert whole[1].text == short_text[: short_text.find(stop)]
+    chunks = [
+        c for c in client.completions.create(stop=stop, stream=True, **arguments) if c.choices
+    ]
+    short_end = next(
+        at
+        for at, c in enumerate(chunks)
+        if c.choices[0].index == 1 and c.choices[0].finish_reason is not None
+    )
+    long_last = max(at for at, c in enumerate(chunks) if c.choices[0].index == 0)
+    assert short_end < long_last
+    for choice in whole:
+        texts = [c.choices[0].text for c in chunks if c.choices[0].index == choice.index]
+        assert "".join(texts) == choice.text
 
 
 def test_n_completions(client):
@@ -295,6 +424,117 @@ def test_the_api_key_is_required_on_every_route_off_loopback(model_cache):
         thread.join(WAIT_S)
 
 
+def self_signed_certificate(directory: Path, name: str = "server") -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key, as PEM files: made with the cryptography package,
+    else the openssl command (the test is skipped without either)."""
+    cert, key = directory / f"{name}.crt", directory / f"{name}.key"
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+    except ImportError:
+        if shutil.which("openssl") is None:
+            pytest.skip("needs the cryptography package or the openssl command")
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+             "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+             "-keyout", str(key), "-out", str(cert)],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        return cert, key
+    private = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(private.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.SubjectKeyIdentifier.from_public_key(private.public_key()), critical=False
+        )
+        .sign(private, hashes.SHA256())
+    )
+    cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key.write_bytes(
+        private.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert, key
+
+
+def trusting(cert: Path, url: str) -> openai.OpenAI:
+    """An OpenAI client that trusts `cert` (and nothing else)."""
+    http_client = openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(cert)))
+    return openai.OpenAI(
+        base_url=url, api_key="x", max_retries=0, timeout=WAIT_S, http_client=http_client
+    )
+
+
+def test_tls_serves_https_to_clients_that_trust_the_certificate(model_cache, tmp_path):
+    cert, key = self_signed_certificate(tmp_path)
+    server, thread = start(tls=tls_context(cert, key))
+    try:
+        assert server.url.startswith("https://127.0.0.1:")
+        client = trusting(cert, server.url)
+        response = client.completions.create(model=MODEL, prompt="x", max_tokens=4, temperature=0)
+        assert len(response.choices[0].model_extra["rollout"]["token_ids"]) == 4
+        stream = client.chat.completions.create(
+            model=MODEL, messages=chat("Hi"), max_tokens=4, temperature=0, stream=True
+        )
+        assert [c for c in stream if c.choices and c.choices[0].finish_reason]
+        # A client that does not trust the certificate, or speaks plain HTTP, gets nowhere...
+        other, _ = self_signed_certificate(tmp_path, "other")
+        with pytest.raises(openai.APIConnectionError):
+            trusting(other, server.url).models.list()
+        with pytest.raises((http.client.HTTPException, OSError)):
+            raw(server, "GET", "/v1/models")
+        # ...and the server goes on.
+        assert client.models.list().data[0].id == MODEL
+        # A client that goes away over TLS has its request cancelled too.
+        trust = ssl.create_default_context(cafile=str(cert))
+        for stream in (False, True):
+            assert tokens_sampled_for_a_client_that_leaves(server, stream=stream, tls=trust) < 1000
+    finally:
+        server.stop()
+        thread.join(WAIT_S)
+
+
+def test_the_cli_refuses_bad_tls_files_with_one_clear_error(tmp_path):
+    cert, key = self_signed_certificate(tmp_path)
+    _, other_key = self_signed_certificate(tmp_path, "other")
+    serve = ["serve", "--model", "builtin:tiny-llama"]
+    cases = [
+        (["--tls-cert", str(cert)], "--tls-key"),
+        (["--tls-key", str(key)], "--tls-cert"),
+        (["--tls-cert", str(tmp_path / "missing.crt"), "--tls-key", str(key)], "cannot read"),
+        (["--tls-cert", str(key), "--tls-key", str(key)], "no PEM certificate"),
+        (["--tls-cert", str(cert), "--tls-key", str(cert)], "no PEM private key"),
+        (["--tls-cert", str(cert), "--tls-key", str(other_key)], "not the private key"),
+    ]
+    for arguments, message in cases:
+        result = CliRunner().invoke(app, [*serve, *arguments])
+        assert result.exit_code == 2, result.output
+        assert message in result.output and "Traceback" not in result.output
+    # TLS is no substitute for the API key off loopback.
+    result = CliRunner().invoke(
+        app, [*serve, "--host", "0.0.0.0", "--tls-cert", str(cert), "--tls-key", str(key)]
+    )
+    assert result.exit_code == 2 and "API key" in result.output
+
+
 def test_the_cli_refuses_a_public_address_without_a_key_and_a_literal_key():
     runner = CliRunner()
     result = runner.invoke(app, ["serve", "--model", "builtin:tiny-llama", "--host", "0.0.0.0"])
@@ -392,8 +632,55 @@ def test_a_checkpoint_is_served_with_its_step_as_policy_version(tiny, tmp_path):
         resolve_source(config=None, model=None, checkpoint=str(tmp_path), name=None)
 
 
+@pytest.mark.slow
+def test_a_trained_run_is_served_by_its_run_id_over_https(workdir):  # noqa: F811 (the fixture)
+    """`rollout run` trains two steps; `rollout serve --checkpoint <run-id>` finds the run in the
+    store and serves its last checkpoint, whose step is the completions' policy version."""
+    trained = rollout(
+        workdir, "run", "--config", "examples/grpo-tiny.toml", "--set", "algorithm.max_steps=2",
+        "--set", "checkpoint.interval=2", "--set", "data.eval.limit=8",
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    store, record = only_run(workdir)
+    assert [c.step for c in store.checkpoints(record.run_id)] == [2]
+    cert, key = self_signed_certificate(workdir)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rollout", "serve", "--checkpoint", record.run_id, "--port", "0",
+         "--tls-cert", str(cert), "--tls-key", str(key)],
+        cwd=workdir, env=environment(workdir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    try:
+        line = ""
+        while "serving" not in line:
+            line = process.stdout.readline()
+            assert line, "the server exited before serving"
+        url = line.split(" at ")[1].split()[0]
+        assert url.startswith("https://127.0.0.1:")
+        client = trusting(cert, url)
+        (model,) = client.models.list().data
+        assert model.id.endswith("/step-000002")
+        response = client.chat.completions.create(
+            model=model.id, messages=chat("Hi"), max_tokens=4, temperature=0
+        )
+        assert response.choices[0].model_extra["rollout"]["policy_version"] == 2
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(WAIT_S) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_goes_away_has_its_request_cancelled(server, stream):
+    assert tokens_sampled_for_a_client_that_leaves(server, stream=stream) < 1000
+
+
+def tokens_sampled_for_a_client_that_leaves(
+    server, *, stream: bool, tls: ssl.SSLContext | None = None
+) -> int:
+    """Ask for 1000 tokens, go away once they are being sampled, and count the tokens the
+    engine samples until it settles: well short of 1000 when the request was cancelled."""
     import socket
     import time
 
@@ -403,7 +690,10 @@ def test_a_client_that_goes_away_has_its_request_cancelled(server, stream):
         {"model": MODEL, "prompt": "Go on", "max_tokens": 1000, "temperature": 0, "stream": stream}
     ).encode()
     host, port = server.server_address[:2]
-    with socket.create_connection((host, port), timeout=WAIT_S) as connection:
+    connection = socket.create_connection((host, port), timeout=WAIT_S)
+    if tls is not None:
+        connection = tls.wrap_socket(connection, server_hostname=host)
+    with connection:
         connection.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             + f"Content-Length: {len(body)}\r\n\r\n".encode()
@@ -411,10 +701,9 @@ def test_a_client_that_goes_away_has_its_request_cancelled(server, stream):
         )
         while stats.generated_tokens == before:  # it is being sampled
             time.sleep(0.01)
-    # The engine stops sampling it: the count settles well short of the 1000 tokens asked for.
     deadline = time.monotonic() + WAIT_S
     last = -1
     while stats.generated_tokens != last and time.monotonic() < deadline:
         last = stats.generated_tokens
         time.sleep(0.5)
-    assert stats.generated_tokens - before < 1000
+    return stats.generated_tokens - before

@@ -15,6 +15,7 @@ from rollout.engines.service import (
     RequestCancelled,
     ServiceBusy,
     ServiceClosed,
+    merge_events,
     releasable,
 )
 from rollout.runtime.models import apply_chat_template
@@ -94,6 +95,40 @@ def test_events_add_up_to_the_completions(service, prompts):
     assert len({tuple(c.token_ids) for c in completions}) > 1  # independent samples
 
 
+def test_prompts_submitted_together_stream_as_their_tokens_come(service, prompts):
+    """A short request after a long one is not held up: its events, its end included, come
+    while the long one is still being sampled, and each adds up to its own completions."""
+    handles = service.submit_many(prompts[:2], [greedy(40), greedy(3, n=2)])
+    with pytest.raises(ValueError, match="merge_events"):
+        next(handles[0].events())
+    order, texts, tokens = [], {}, {}
+    for number, event in merge_events(handles, timeout=WAIT_S):
+        order.append((number, event.finish_reason is not None))
+        key = (number, event.sample)
+        texts[key] = texts.get(key, "") + event.text
+        tokens[key] = tokens.get(key, []) + event.token_ids
+    short_done = max(i for i, (number, last) in enumerate(order) if number == 1 and last)
+    long_done = max(i for i, (number, _) in enumerate(order) if number == 0)
+    assert short_done < long_done
+    for number, handle in enumerate(handles):
+        for sample, completion in enumerate(handle.result(timeout=WAIT_S)):
+            assert texts[number, sample] == completion.text
+            assert tokens[number, sample] == completion.token_ids
+
+
+def test_events_carry_each_tokens_alternatives(service, prompts):
+    handle = service.submit(prompts[0], SamplingParams(max_new_tokens=12, seed=3, top_logprobs=4))
+    alternatives: list = []
+    for event in handle.events(timeout=WAIT_S):
+        assert len(event.top_logprobs) == len(event.token_ids)
+        alternatives += event.top_logprobs
+    (completion,) = handle.result()
+    assert alternatives == completion.top_logprobs
+    assert all(len(a) == 4 for a in alternatives)
+    (plain,) = service.submit(prompts[0], greedy(4)).result(timeout=WAIT_S)
+    assert plain.top_logprobs is None
+
+
 def test_stop_strings_never_reach_the_stream(tiny_llama, service, prompts):
     (full,) = make_engine(tiny_llama).generate(prompts[:1], greedy(24))
     decode = tiny_llama.tokenizer.decode
@@ -143,6 +178,8 @@ def test_close_finishes_requests_in_flight_and_refuses_new_ones(tiny_llama, prom
 
 def test_too_many_requests_are_refused(tiny_llama, prompts):
     with EngineService(make_engine(tiny_llama), max_requests=2) as service:
+        with pytest.raises(ServiceBusy):  # all of them or none
+            service.submit_many([prompts[0]] * 3, [greedy(4)] * 3)
         first = [service.submit(prompts[0], greedy(200)) for _ in range(2)]
         with pytest.raises(ServiceBusy):
             service.submit(prompts[0], greedy(4))

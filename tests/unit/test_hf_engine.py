@@ -227,15 +227,84 @@ def test_sample_rows_is_sample_tokens_row_by_row():
         return torch.Generator().manual_seed(100 + row)
 
     uniform = torch.cat([torch.rand(1, 1, generator=draw(row))[0] for row in range(6)])
-    token_ids, logprobs = sample_rows(logits, temperature, top_k, top_p, uniform)
+    token_ids, logprobs, top = sample_rows(logits, temperature, top_k, top_p, uniform)
+    assert top is None  # no row asked for alternatives: none are computed
     for row, (t, k, p) in enumerate(settings):
         params = SamplingParams(max_new_tokens=1, temperature=t, top_k=k, top_p=p)
-        expected_ids, expected_logprobs = sample_tokens(logits[row : row + 1], params, draw(row))
+        expected_ids, expected_logprobs, _ = sample_tokens(logits[row : row + 1], params, draw(row))
         assert token_ids[row] == expected_ids[0]
         assert logprobs[row].item() == pytest.approx(expected_logprobs[0].item(), abs=1e-6)
         reference = (logits[row] / (t or 1.0)).log_softmax(-1)[token_ids[row]]
         assert logprobs[row].item() == pytest.approx(reference.item(), abs=1e-5)
     assert token_ids[0] == logits[0].argmax() and token_ids[5] == logits[5].argmax()
+
+
+KNOWN_LOGITS = torch.tensor(
+    [[2.0, -1.0, 0.5, 3.0, 0.0, -2.0, 1.5, 0.25], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]]
+)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.5, 1.0, 1.7])
+def test_top_logprobs_are_the_top_of_the_sampled_tokens_distribution(temperature):
+    """Alternatives are log_softmax(logits / T).topk(N), from before top-k/top-p truncation,
+    and the sampled token's log-prob is exactly its entry when it is among them."""
+    params = SamplingParams(max_new_tokens=1, temperature=temperature, top_k=3, top_logprobs=4)
+    token_ids, logprobs, top = sample_tokens(KNOWN_LOGITS, params, torch.Generator().manual_seed(0))
+    expected = torch.log_softmax(KNOWN_LOGITS / (temperature or 1.0), -1).topk(4)
+    assert torch.equal(top.token_ids, expected.indices)
+    assert torch.allclose(top.logprobs, expected.values, atol=1e-6)
+    assert torch.equal(top.token_ids[0], torch.tensor([3, 0, 6, 2]))  # by hand: 3.0, 2.0, 1.5, 0.5
+    for row in range(2):  # top_k 3 samples among the top 4: the sampled token is listed
+        alternatives = dict(
+            zip(top.token_ids[row].tolist(), top.logprobs[row].tolist(), strict=True)
+        )
+        assert alternatives[token_ids[row].item()] == logprobs[row].item()
+    if temperature == 0:
+        assert token_ids.tolist() == top.token_ids[:, 0].tolist()  # greedy: the most likely
+    # Per row: each row's own temperature, the most alternatives any row asked for.
+    rows = sample_rows(
+        KNOWN_LOGITS,
+        torch.tensor([temperature, 1.0]),
+        torch.tensor([0, 0]),
+        torch.tensor([1.0, 1.0]),
+        torch.tensor([0.3, 0.6]),
+        top=4,
+    )
+    assert torch.equal(rows.top.token_ids[0], expected.indices[0])
+    assert torch.allclose(rows.top.logprobs[0], expected.values[0], atol=1e-6)
+    other = torch.log_softmax(KNOWN_LOGITS[1], -1).topk(4)
+    assert torch.allclose(rows.top.logprobs[1], other.values, atol=1e-6)
+    assert sample_tokens(KNOWN_LOGITS, replace(params, top_logprobs=0), None).top is None
+
+
+def test_completions_carry_top_logprobs_per_token_in_both_sampling_paths(engine, prompts):
+    (default,) = engine.generate(prompts[:1], greedy(6))
+    assert default.top_logprobs is None
+    (greedy_top,) = engine.generate(prompts[:1], greedy(6, top_logprobs=3))
+    assert greedy_top.token_ids == default.token_ids
+    assert len(greedy_top.top_logprobs) == len(greedy_top.token_ids)
+    for token_id, logprob, alternatives in zip(
+        greedy_top.token_ids, greedy_top.logprobs, greedy_top.top_logprobs, strict=True
+    ):
+        assert len(alternatives) == 3
+        assert alternatives[0] == (token_id, logprob)  # greedy: the most likely, exactly
+        assert [value for _, value in alternatives] == sorted(
+            (value for _, value in alternatives), reverse=True
+        )
+    # Rows with their own parameters in one batch (sample_rows): each keeps its own count.
+    requests = [greedy(6, top_logprobs=2), SamplingParams(max_new_tokens=6, seed=1), greedy(6)]
+    batch = engine.decode_batch(max_width=4)
+    rows = [engine.rows(prompts[0], params)[0] for params in requests]
+    with eval_mode(engine.model), torch.inference_mode():
+        batch.add(rows)
+        while batch.busy:
+            batch.step()
+    two, sampled, plain = (engine.completion(row) for row in rows)
+    assert two.token_ids == greedy_top.token_ids
+    for mine, alone in zip(two.top_logprobs, greedy_top.top_logprobs, strict=True):
+        assert [t for t, _ in mine] == [t for t, _ in alone[:2]]
+        assert [v for _, v in mine] == pytest.approx([v for _, v in alone[:2]], abs=1e-5)
+    assert sampled.top_logprobs is None and plain.top_logprobs is None
 
 
 def test_truncate_rows_is_truncate_row_by_row():

@@ -120,6 +120,29 @@ def test_completions_come_grouped_by_prompt_in_sample_order():
     ]
 
 
+def test_top_logprobs_are_the_most_likely_of_vllms_logprobs_cut_with_the_stop_string():
+    """vLLM's logprobs = N gives each position the N most likely tokens and the sampled one
+    (which may rank below them): the alternatives are the N, most likely first."""
+    params = SamplingParams(max_new_tokens=16, stop=("#",), top_logprobs=2)
+    assert vllm_sampling_arguments(params, 0, 0, [EOS])["logprobs"] == 2
+    out = sample("ab#", reason="stop", stop_reason="#")
+    out.logprobs = [
+        {ord("a"): Logprob(-0.1, 1), ord("x"): Logprob(-2.5, 2)},
+        {ord("b"): Logprob(-3.0, 3), ord("y"): Logprob(-0.2, 1), ord("z"): Logprob(-1.0, 2)},
+        {ord("#"): Logprob(-0.3, 1), ord("b"): Logprob(-1.4, 2)},
+    ]
+    request = RequestOutput("0", [5], [out])
+    (completion,) = completions_from_outputs([request], params, decode=decode, version=0)
+    assert completion.logprobs == [-0.1, -3.0]  # the sampled tokens', as without alternatives
+    assert completion.top_logprobs == [
+        [(ord("a"), -0.1), (ord("x"), -2.5)],
+        [(ord("y"), -0.2), (ord("z"), -1.0)],
+    ]
+    request = RequestOutput("0", [5], [sample("ab")])
+    (plain,) = completions_from_outputs([request], PARAMS, decode=decode, version=0)
+    assert plain.top_logprobs is None
+
+
 def test_missing_samples_logprobs_or_an_abort_are_errors():
     with pytest.raises(RuntimeError, match="expected n = 2"):
         completions_from_outputs(
