@@ -335,19 +335,30 @@ def family_model(request, tiny_llama, rollout_cache):
     return load_model(facts, section, dtype="float32", device="cpu")
 
 
+DECODE_PATHS = ["model-forward", "written-out", "packed-onednn", "packed-mkl"]
+
+
 def _decode_paths(monkeypatch, path: str) -> None:
-    """Force one decode path: the model's own forward, or LlamaDecoder without or with packing."""
+    """Force one decode path: the model's own forward, or LlamaDecoder without packing or with
+    one of the packing kernels (skipped where this torch lacks it)."""
     if path == "model-forward":
         monkeypatch.setattr(hf.LlamaDecoder, "supports", staticmethod(lambda *_: False))
-    else:
-        packing = path == "packed"
-        monkeypatch.setattr(hf, "should_pack", lambda *_: packing)
+        return
+    packing = path.startswith("packed")
+    monkeypatch.setattr(hf, "should_pack", lambda *_: packing)
+    if packing:
+        kernel = path.removeprefix("packed-")
+        available = {
+            "onednn": torch.backends.mkldnn.is_available(),
+            "mkl": torch.backends.mkl.is_available(),
+        }
+        if not available[kernel]:
+            pytest.skip(f"torch without {kernel}: no packed GEMM of that kind")
+        monkeypatch.setattr(hf, "packing_kernel", lambda: kernel)
 
 
-@pytest.mark.parametrize("path", ["model-forward", "written-out", "packed"])
+@pytest.mark.parametrize("path", DECODE_PATHS)
 def test_every_decode_path_matches_the_learner(monkeypatch, family_model, prompts, path):
-    if path == "packed" and not torch.backends.mkl.is_available():
-        pytest.skip("torch without MKL: no packed GEMM")
     engine = make_engine(family_model)
     assert hf.LlamaDecoder.supports(
         family_model.model, hf.preallocated_cache(family_model.model.config, 8)
@@ -368,7 +379,7 @@ def test_decode_paths_sample_the_same_tokens(monkeypatch, tiny_llama, prompts):
             return make_engine(tiny_llama).generate(prompts, params)
 
     reference = sample("model-forward")
-    for path in ("written-out", "packed"):
+    for path in DECODE_PATHS[1:]:
         completions = sample(path)
         assert [c.token_ids for c in completions] == [c.token_ids for c in reference]
         for completion, expected in zip(completions, reference, strict=True):
@@ -392,6 +403,99 @@ def test_hooked_or_unfamiliar_models_run_their_own_forward(tiny_llama):
         mlp_hook.remove()
     # Layers without a preallocated cache (e.g. sliding-window ones) are not written out.
     assert not hf.LlamaDecoder.supports(model, hf.DynamicCache(config=model.config))
+
+
+# --- the prefill -------------------------------------------------------------------------------
+
+
+def test_shared_prefix_length_leaves_every_prompt_a_token_to_run():
+    assert hf.shared_prefix_length([[1, 2, 3, 4], [1, 2, 3, 5, 6]]) == 3
+    assert hf.shared_prefix_length([[1, 2, 3], [1, 2, 3, 4]]) == 2
+    assert hf.shared_prefix_length([[7, 2], [8, 2]]) == 0
+    assert hf.shared_prefix_length([[1, 2, 3]]) == 0  # one prompt: nothing to share
+
+
+def test_attention_bias_is_causal_padded_and_lets_padding_see_itself():
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    bias = hf.attention_bias(mask, new=3, dtype=torch.float32)  # the last 3 of 4 columns
+    visible = (bias == 0).squeeze(1).int().tolist()
+    assert visible[0] == [[0, 1, 0, 0], [0, 1, 1, 0], [0, 1, 1, 1]]
+    assert visible[1] == [[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    padding_only = hf.attention_bias(torch.tensor([[0, 0, 1]]), new=3, dtype=torch.float32)
+    assert (padding_only[0, 0, 0] == 0).int().tolist() == [1, 0, 0]  # sees itself, not NaN
+    decode = hf.attention_bias(mask, new=1, dtype=torch.float32)
+    assert decode.shape == (2, 1, 1, 4) and (decode[0, 0, 0] == 0).int().tolist() == [0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("path", DECODE_PATHS[1:])
+def test_written_out_prefill_matches_the_models_forward(monkeypatch, family_model, prompts, path):
+    """LlamaDecoder.forward over left-padded prompts: the model's last-position logits, and the
+    keys and values the model's own forward caches (padding columns aside)."""
+    _decode_paths(monkeypatch, path)
+    model = family_model.model
+    kernel = hf.packing_kernel() if hf.should_pack(model, 64) else None
+    decoder = hf.LlamaDecoder(model, len(prompts), kernel=kernel)
+    input_ids, mask = hf.left_pad(prompts, family_model.pad_token_id, torch.device("cpu"))
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    width = input_ids.shape[1]
+    ours, theirs = hf.preallocated_cache(model.config, width), hf.DynamicCache(config=model.config)
+    with torch.inference_mode():
+        logits = decoder.forward(input_ids, positions, mask, ours)
+        expected = model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=theirs,
+            use_cache=True,
+        ).logits[:, -1]
+    assert torch.allclose(logits, expected, atol=1e-4)
+    real = mask.bool()
+    for layer, reference in zip(ours.layers, theirs.layers, strict=True):
+        for mine, model_states in ((layer.keys, reference.keys), (layer.values, reference.values)):
+            assert torch.allclose(
+                mine.transpose(1, 2)[real], model_states.transpose(1, 2)[real], atol=1e-5
+            )
+
+
+SYSTEM = "You are a careful calculator. Think, then answer with one number."
+
+
+def test_a_shared_prompt_prefix_is_prefilled_once_and_changes_nothing(monkeypatch, tiny_llama):
+    """Prompts with one system prompt share a long prefix: computed once (place_prefix), they
+    sample what a full prefill samples, in a static batch and when rows join a running one."""
+    questions = ("What is 2 + 3?", "Hi", "Compute 12 * 7 - 7, then explain.", "Why?", "1+1")
+    prompts = [
+        apply_chat_template(tiny_llama.tokenizer, tiny_llama.chat_template, q, SYSTEM)
+        for q in questions
+    ]
+    assert hf.shared_prefix_length(prompts) >= 10
+    placed = []
+    place_prefix = hf._PreallocatedLayer.place_prefix
+
+    def spy(layer, keys, values, firsts, length):
+        placed.append(keys.shape[-2])
+        place_prefix(layer, keys, values, firsts, length)
+
+    def sample(shared: bool, max_batch_size: int | None):
+        with monkeypatch.context() as patch:
+            patch.setattr(hf._PreallocatedLayer, "place_prefix", spy)
+            if not shared:
+                patch.setattr(hf, "SHARED_PREFIX_MIN_TOKENS", 10**9)
+            engine = make_engine(tiny_llama, max_batch_size=max_batch_size)
+            return engine.generate(prompts, greedy(12, n=2))
+
+    for max_batch_size in (None, 4):  # 4 slots for 10 rows: refills share prefixes too
+        placed.clear()
+        full = sample(shared=False, max_batch_size=max_batch_size)
+        assert placed == []
+        once = sample(shared=True, max_batch_size=max_batch_size)
+        assert placed and min(placed) >= 10
+        assert [c.token_ids for c in once] == [c.token_ids for c in full]
+        for mine, reference in zip(once, full, strict=True):
+            assert mine.logprobs == pytest.approx(reference.logprobs, abs=1e-5)
+    expected = learner_logprobs(tiny_llama.model, prompts, once, 1.0)
+    for completion, learner in zip(once, expected, strict=True):
+        assert completion.logprobs == pytest.approx(learner, abs=LOGPROB_TOLERANCE)
 
 
 # --- sampling randomness ---------------------------------------------------------------------
