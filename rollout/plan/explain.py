@@ -127,7 +127,7 @@ def _generation_rows(plan: Plan, shape: GenerationShape) -> list[tuple[str, str]
         rows.append(
             (
                 "packed",
-                f"{size_text(shape.packed_weight_bytes)}: the hf engine's MKL-packed copy of the "
+                f"{size_text(shape.packed_weight_bytes)}: the hf engine's packed copy of the "
                 "linear weights while it samples (float32 on CPU)",
             )
         )

@@ -10,7 +10,7 @@ Generation is sized by `generation_shape`: how many sequences an actor process d
 the evaluation prompts, which the hf engine also decodes in one chunk), for how many tokens
 (max_prompt_tokens + max_new_tokens). Its KV cache is layers x 2 (keys and values) x kv_heads x
 head_dim x dtype bytes per token, times batch x context. The hf engine on a float32 CPU model also
-keeps an MKL-packed copy of its linear weights while it samples (see PACK_MAX_BYTES below).
+keeps a packed copy of its linear weights while it samples (see PACK_MAX_BYTES below).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ _ACTIVATION_FACTOR = 34
 # The hf engine's weight packing, duplicated here because the planner never imports the engine
 # (it imports torch). The rule is rollout.engines.hf.should_pack: a Llama-family model whose
 # weights are float32 on the CPU, generating at least PACK_MIN_NEW_TOKENS tokens, and whose 2-D
-# weights take at most PACK_MAX_BYTES, decodes through MKL's packed GEMM, with a packed copy of
-# every linear layer (attention, MLP, and the head) alive while a chunk is sampled. A unit test
+# weights take at most PACK_MAX_BYTES, decodes through a packed GEMM (oneDNN's, else MKL's), with
+# a packed copy of every linear layer (attention, MLP, and the head) alive while a chunk is sampled. A unit test
 # checks these constants against the engine's.
 PACK_MIN_NEW_TOKENS = 16
 """rollout.engines.hf.PACK_MIN_NEW_TOKENS."""
