@@ -33,7 +33,9 @@ def generate(
     prompts: Annotated[
         str,
         typer.Option(
-            "--prompts", help="JSONL or Parquet file of prompts: a local path or fsspec URL."
+            "--prompts",
+            help="JSONL or Parquet file of prompts: a local path (relative to the current "
+            "directory, also with --config) or fsspec URL.",
         ),
     ],
     out: Annotated[

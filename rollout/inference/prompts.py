@@ -56,11 +56,22 @@ def file_format(location: str, option: str) -> Literal["jsonl", "parquet"]:
 
 
 def read_prompts(location: str, field: str, *, limit: int | None = None) -> PromptFile:
-    """Every record (or the first `limit`) of the prompt file, each checked for `field`."""
-    resolved = locations.resolve(location, Path.cwd())
+    """Every record (or the first `limit`) of the prompt file, each checked for `field`.
+
+    A relative `location` starts at the current directory, with or without --config: it is typed
+    on the command line, not written in the config.
+    """
+    cwd = Path.cwd()
+    resolved = locations.resolve(location, cwd)
     if not locations.exists(resolved):
         raise RolloutError(
-            locations.not_found("--prompts", resolved, what="prompt file", value=location)
+            locations.not_found(
+                "--prompts",
+                resolved,
+                what="prompt file",
+                value=location,
+                relative_to=f"the current directory ({cwd})",
+            )
         )
     if locations.is_dir(resolved):
         raise RolloutError(

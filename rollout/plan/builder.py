@@ -174,14 +174,14 @@ def _inspect_all_data(
     return facts
 
 
-def _reward_fields(config: RunConfig, data: list[DataFacts]) -> set[str]:
-    """Keyword arguments a reward can count on: the record's own fields and the mapped roles."""
-    fields: set[str] = set()
+def _reward_fields(config: RunConfig, data: list[DataFacts]) -> dict[str, set[str]]:
+    """Per split, the keyword arguments a reward can count on: the records' own fields and the
+    mapped roles (rollout.runtime.actor.PromptFormat.reward_row). The train split is always there,
+    with the roles alone when its data could not be read."""
+    roles = {role for role, field in config.data.fields.model_dump().items() if field is not None}
+    fields = {"train": set(roles)}
     for facts in data:
-        if facts.split == "train":
-            fields |= set(facts.fields)
-    mapping = config.data.fields.model_dump()
-    fields |= {role for role, field in mapping.items() if field is not None}
+        fields[facts.split] = set(facts.fields) | roles
     return fields
 
 
@@ -189,7 +189,7 @@ def _reward_fields(config: RunConfig, data: list[DataFacts]) -> set[str]:
 
 
 def _resolve_rewards(
-    config: RunConfig, base: Path, fields: set[str], issues: list[Issue]
+    config: RunConfig, base: Path, fields: dict[str, set[str]], issues: list[Issue]
 ) -> list[PluginIdentity]:
     from rollout.harness.rewards import BUILTIN_REWARDS
     from rollout.plugins.resolve import check_reward_signature, resolve_plugin
@@ -217,7 +217,12 @@ def _resolve_rewards(
         identities.append(resolved.identity)
         issues.extend(
             check_reward_signature(
-                resolved.fn, options=spec.options, fields=fields, used_by=used_by
+                resolved.fn,
+                options=spec.options,
+                fields=fields["train"],
+                eval_fields=fields.get("eval"),
+                used_by=used_by,
+                ref=spec.fn,
             )
         )
     return identities

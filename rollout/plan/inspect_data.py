@@ -5,7 +5,8 @@ only the columns the run needs are read. Each record must hold every required fi
 a preference pair must not compare a completion with itself. A caller may add its own check of
 each complete record (the offline objectives tokenize it: rollout.plan.inspect_samples). Problems
 become Issues naming the file, the record (and line) and the field; at most MAX_ISSUES_PER_FILE
-record-level problems are listed, then a count of the rest.
+record-level problems are listed, then a count of the rest. Records longer than a limit make one
+Issue per file and limit, at the longest of them, with how many there are.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from rollout.errors import Issue, PlanError
 from rollout.plan import locations
 from rollout.plan.definition import DataFacts
 from rollout.plan.fingerprint import open_binary, sha256_file
+from rollout.plan.inspect_samples import RecordProblem
 
 MAX_ISSUES_PER_FILE = 10
 
@@ -43,7 +45,7 @@ def inspect_data(
     base_dir: Path,
     required: dict[str, str],
     paired: tuple[str, str] | None = None,
-    check: Callable[[dict[str, Any]], list[Any]] | None = None,
+    check: Callable[[dict[str, Any]], list[RecordProblem]] | None = None,
 ) -> DataFacts:
     """Read a data file and check it. `required` maps a role (prompt, answer, ...) to the record
     field that holds it; `paired` names the (chosen, rejected) fields that must differ; `check`
@@ -182,6 +184,16 @@ class _Gap:
     count: int = 1
 
 
+@dataclass
+class _TooLong:
+    """Records longer than one limit: the first, the longest and its problem, and how many."""
+
+    first: str
+    longest: str
+    problem: RecordProblem
+    count: int = 1
+
+
 class _Checker:
     """Collects the problems of one file's records, grouped so that one wrong field name gives one
     Issue rather than one per record."""
@@ -192,7 +204,7 @@ class _Checker:
         key: str,
         required: dict[str, str],
         paired: tuple[str, str] | None,
-        check: Callable[[dict[str, Any]], list[Any]] | None = None,
+        check: Callable[[dict[str, Any]], list[RecordProblem]] | None = None,
     ):
         self.location = location
         self.key = key
@@ -202,6 +214,7 @@ class _Checker:
         self.fields: set[str] = set()
         self._missing: dict[str, _Gap] = {}
         self._null: dict[str, _Gap] = {}
+        self._too_long: dict[str, _TooLong] = {}
         self._column_issues: list[Issue] = []
         self._problems: list[Issue] = []
         self._unlisted = 0
@@ -245,7 +258,21 @@ class _Checker:
                 complete = False
         if complete and self.check is not None:
             for found in self.check(record):
-                self.problem(f"{where} of {self.location}: {found.message}", found.hint, found.path)
+                if found.length is None:
+                    self.problem(
+                        f"{where} of {self.location}: {found.message}", found.hint, found.path
+                    )
+                else:
+                    self._note_too_long(where, found)
+
+    def _note_too_long(self, where: str, found: RecordProblem) -> None:
+        seen = self._too_long.get(found.path)
+        if seen is None:
+            self._too_long[found.path] = _TooLong(first=where, longest=where, problem=found)
+            return
+        seen.count += 1
+        if found.length is not None and found.length > (seen.problem.length or 0):
+            seen.longest, seen.problem = where, found
 
     def problem(self, message: str, hint: str | None = None, path: str | None = None) -> None:
         if len(self._problems) < MAX_ISSUES_PER_FILE:
@@ -276,6 +303,15 @@ class _Checker:
                     hint=f"give every record a {role}, or remove the records without one",
                 )
             )
+        for path, too_long in self._too_long.items():
+            others = ""
+            if too_long.count > 1:
+                first = (
+                    "" if too_long.first == too_long.longest else f"; the first is {too_long.first}"
+                )
+                others = f" (the longest of {too_long.count} records over the limit{first})"
+            message = f"{too_long.longest} of {self.location}: {too_long.problem.message}{others}"
+            issues.append(Issue(path, message, hint=too_long.problem.hint))
         issues += self._problems
         if self._unlisted:
             issues.append(

@@ -1,8 +1,14 @@
-"""Plan-time checks of the offline objectives' records: each must make a sample, within max_length.
+"""Plan-time checks of every record a run reads, with the planned model's tokenizer.
+
+Offline objectives (DPO, IPO, KTO, SFT, RM): each record must make a sample within
+algorithm.max_length. Online algorithms (GRPO, RLOO, PPO, REINFORCE++): each prompt, chat template
+and system prompt applied, must fit generation.max_prompt_tokens.
 
 The records are tokenized with the planned model's tokenizer (rollout.plan.tokenizer) by the very
 rules the worker uses (rollout.plan.samples), so a record refused here would have failed the run,
-and one accepted here fits. Without a tokenizer readable at plan time the worker checks instead.
+and one accepted here fits. Every record of both splits is checked (up to data.*.limit, as the run
+reads them). Without a tokenizer readable at plan time (see rollout.plan.tokenizer.load) there is
+no such check: offline workers check their records before step 1, online prompts go unchecked.
 """
 
 from __future__ import annotations
@@ -22,11 +28,17 @@ from rollout.plan.samples import Demonstration, Judged, Pair, SampleError, Sampl
 
 @dataclass(frozen=True)
 class RecordProblem:
-    """What is wrong with one record; the caller adds which record of which file."""
+    """What is wrong with one record; the caller adds which record of which file.
+
+    length: set when the record is longer than a limit (the config key at ``path``). Such
+    problems are reported once per file and key, at the longest record, whose hint then names
+    the limit that fits every record.
+    """
 
     path: str
     message: str
     hint: str | None = None
+    length: int | None = None
 
 
 RecordCheck = Callable[[Mapping[str, Any]], list[RecordProblem]]
@@ -47,15 +59,17 @@ def sample_rules(config: RunConfig, tokenizer: Any) -> SampleRules:
 def record_check(
     config: RunConfig, model: ModelFacts | None, base_dir: Path
 ) -> tuple[RecordCheck | None, list[Issue]]:
-    """The check to run on every record of an offline run, and problems of the run as a whole.
+    """The check to run on every record of the run, and problems of the run as a whole.
 
-    Returns (None, issues) when there is nothing to check record by record: an online algorithm,
-    a model that failed inspection, or no tokenizer readable without transformers.
+    Returns (None, issues) when there is nothing to check record by record: a model that failed
+    inspection, no chat template where one is used, or no tokenizer readable without transformers.
     """
     kind = config.algorithm.kind
-    if kind in ONLINE_KINDS or model is None:
+    if model is None:
         return None, []
     if config.data.use_chat_template and not model.chat_template:
+        if kind in ONLINE_KINDS:
+            return None, []  # no prompt can be counted; the worker refuses it at its first step
         return None, [
             Issue(
                 "data.use_chat_template",
@@ -65,9 +79,19 @@ def record_check(
             )
         ]
     tokenizer = plan_tokenizer.load(model, config.model, base_dir=base_dir)
-    if tokenizer is None:
+    if tokenizer is None or (config.data.use_chat_template and not tokenizer.has_chat_template):
+        # The second: the tokenizer read here lacks the template the model's facts promise (a
+        # GGUF's converted copy without one); the worker, which uses that copy, reports it.
         return None, []
     rules = sample_rules(config, tokenizer)
+    if kind in ONLINE_KINDS:
+        return _prompt_check(config, rules, model.context_length), []
+    return _sample_check(config, rules), []
+
+
+def _sample_check(config: RunConfig, rules: SampleRules) -> RecordCheck:
+    """An offline record must make a sample no longer than algorithm.max_length."""
+    kind = config.algorithm.kind
     limit = config.algorithm.max_length
     fields = config.data.fields
 
@@ -84,10 +108,54 @@ def record_check(
                 "algorithm.max_length",
                 f"{what} is {length} tokens, longer than max_length {limit}",
                 f"raise algorithm.max_length to at least {length}, or shorten or drop the record",
+                length=length,
             )
         ]
 
-    return check, []
+    return check
+
+
+def _prompt_check(config: RunConfig, rules: SampleRules, context: int) -> RecordCheck:
+    """An online prompt must fit generation.max_prompt_tokens, as the worker encodes it."""
+    limit = config.generation.max_prompt_tokens
+    max_new = config.generation.max_new_tokens
+    field = config.data.fields.prompt
+    how = "with the chat template" if config.data.use_chat_template else "without a chat template"
+    if config.data.use_chat_template and config.data.system_prompt is not None:
+        how += " and the system prompt"
+
+    def check(record: Mapping[str, Any]) -> list[RecordProblem]:
+        try:
+            length = len(rules.generation_prompt(record))
+        except SampleError as error:
+            return [RecordProblem(f"data.fields.{error.role}", str(error), error.hint)]
+        if length <= limit:
+            return []
+        return [
+            RecordProblem(
+                "generation.max_prompt_tokens",
+                f"prompt {field!r} is {length} tokens ({how}), longer than max_prompt_tokens "
+                f"{limit}",
+                _longer_prompt_hint(length, max_new, context),
+                length=length,
+            )
+        ]
+
+    return check
+
+
+def _longer_prompt_hint(length: int, max_new: int, context: int) -> str:
+    """What to change for a prompt of ``length`` tokens, within the model's context."""
+    drop = "shorten or drop the record"
+    if length + max_new <= context:
+        return f"raise generation.max_prompt_tokens to at least {length}, or {drop}"
+    if length < context:
+        return (
+            f"raise generation.max_prompt_tokens to at least {length} and lower "
+            f"generation.max_new_tokens to at most {context - length} (the model's context is "
+            f"{context} tokens), or {drop}"
+        )
+    return f"{drop}: it does not fit the model's context of {context} tokens"
 
 
 def _lengths(

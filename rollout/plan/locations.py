@@ -65,9 +65,18 @@ def did_you_mean(name: str, candidates: list[str]) -> str | None:
     return "did you mean " + " or ".join(repr(match) for match in matches) + "?"
 
 
-def not_found(path: str, location: str, *, what: str, value: Any) -> Issue:
-    """An Issue for a missing local file or URL, suggesting a near name from the same directory."""
-    hint = "relative paths start at the config file's directory"
+CONFIG_DIRECTORY = "the config file's directory"
+
+
+def not_found(
+    path: str, location: str, *, what: str, value: Any, relative_to: str = CONFIG_DIRECTORY
+) -> Issue:
+    """An Issue for a missing local file or URL, suggesting a near name from the same directory.
+
+    relative_to: where the relative paths of `path` start, in words: the config file's directory
+    for a config key, the current directory for a command-line option.
+    """
+    hint = f"relative paths start at {relative_to}"
     if not is_url(location):
         parent, name = os.path.split(location)
         if os.path.isdir(parent):

@@ -1,8 +1,9 @@
-"""How a training record becomes token ids for the offline objectives (DPO, IPO, KTO, SFT, RM).
+"""How a training record becomes token ids for the offline objectives (DPO, IPO, KTO, SFT, RM),
+and how long an online algorithm's prompt is.
 
-One set of rules serves two tokenizers: the planner's (torch-free, for the max_length check) and
-the worker's (transformers, for training), so a record's length at plan time is its length in
-the run. The rules:
+One set of rules serves two tokenizers: the planner's (torch-free, for the max_length and
+max_prompt_tokens checks) and the worker's (transformers, for training), so a record's length at
+plan time is its length in the run. The rules:
 
 - prompt: a string becomes one user turn (after data.system_prompt, if set) rendered with the
   chat template and the assistant turn opened; a list of {role, content} messages is rendered as
@@ -128,6 +129,15 @@ class SampleRules:
         if not self.completion_only_loss:
             targets = [False] + [True] * (len(ids) - 1)
         return Demonstration(ids, targets)
+
+    def generation_prompt(self, record: Mapping[str, Any]) -> list[int]:
+        """The prompt an online algorithm (GRPO, RLOO, PPO, REINFORCE++) generates from.
+
+        The worker (rollout.runtime.actor.PromptFormat) takes the field's value as text, so a
+        non-string value is counted as its str(), and renders it as one user turn.
+        """
+        value = self._value(record, "prompt")
+        return self.prompt({self._field("prompt"): value if isinstance(value, str) else str(value)})
 
     # --- pieces ---------------------------------------------------------------------------------
 

@@ -6,9 +6,12 @@ environment options, the special tokens as variables), then encodes the text wit
 special tokens, as transformers' apply_chat_template does. A test checks the counts agree with the
 worker's transformers tokenizer.
 
-Where no tokenizer.json can be read without transformers (a GGUF file, whose tokenizer transformers
-converts when it loads the model; a remote model; a sentencepiece-only tokenizer), `load` returns
-None and the worker checks the lengths instead, before its first step.
+A GGUF file's tokenizer is converted by transformers when a worker first loads the model, into
+rollout's cache of the dequantized model (rollout.runtime.models.dense_gguf_dir). The planner
+reads the tokenizer from there once it exists, or from model.tokenizer when that is set (the
+worker then uses it too). Where no tokenizer.json can be read without transformers (a GGUF file
+before its first run, a remote model, a sentencepiece-only tokenizer), `load` returns None and the
+lengths are not checked at plan time.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from rollout.cache import cache_root
 from rollout.config.model import ModelSection
 from rollout.plan import locations
 from rollout.plan.definition import ModelFacts
 from rollout.plan.fingerprint import is_url
+from rollout.plan.gguf import read_gguf_header
 
 _SPECIAL_TOKENS = (
     "bos_token",
@@ -50,6 +55,10 @@ class PlanTokenizer:
         self._template = _compile(chat_template) if chat_template else None
         self.eos_token_id = eos_token_id
 
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
@@ -71,13 +80,46 @@ def load(facts: ModelFacts, section: ModelSection, *, base_dir: Path) -> PlanTok
     override = _chat_template_override(section, base_dir)
     if facts.format == "builtin" and section.tokenizer is None:
         return _builtin(facts.location.removeprefix("builtin:"), override)
-    if facts.format == "gguf" or is_url(facts.location):
-        return None  # the worker's end-of-turn token comes from the GGUF's own metadata
+    if facts.format == "gguf":
+        return _gguf(facts, section, override, base_dir)
+    if is_url(facts.location):
+        return None
     if section.tokenizer is None:
         directory = facts.location
     else:
         directory = locations.resolve(section.tokenizer, base_dir)
     return _from_directory(directory, override, model_eos=_model_eos(facts))
+
+
+def dense_gguf_directory(fingerprint: str) -> Path:
+    """Where a worker keeps the GGUF file of this fingerprint dequantized, with its tokenizer
+    converted by transformers (rollout.runtime.models.dense_gguf_dir builds it)."""
+    return cache_root() / "gguf" / fingerprint[:16]
+
+
+def _gguf(
+    facts: ModelFacts, section: ModelSection, override: str | None, base_dir: Path
+) -> PlanTokenizer | None:
+    """The worker's tokenizer for a GGUF model, where it can be read without transformers."""
+    dense = dense_gguf_directory(facts.fingerprint)
+    if section.tokenizer is not None:
+        directory = locations.resolve(section.tokenizer, base_dir)
+    elif dense.is_dir():
+        directory = str(dense)
+    else:
+        return None
+    # The worker's end-of-turn token: its dense copy's configs, which transformers fills from
+    # the GGUF's tokenizer.ggml.eos_token_id, the key read here before the copy exists.
+    eos = _configured_eos(dense) if dense.is_dir() else _gguf_eos(facts.location)
+    return _from_directory(directory, override, model_eos=eos)
+
+
+def _gguf_eos(location: str) -> int | None:
+    try:
+        value = read_gguf_header(location).metadata.get("tokenizer.ggml.eos_token_id")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _builtin(name: str, override: str | None) -> PlanTokenizer:
@@ -101,7 +143,10 @@ def _from_directory(
         return None
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(str(files / "tokenizer.json"))
+    try:
+        tokenizer = Tokenizer.from_file(str(files / "tokenizer.json"))
+    except Exception:  # tokenizers raises its own error types; the worker's load reports it
+        return None
     config = _json(files / "tokenizer_config.json")
     special = {name: _content(config.get(name)) for name in _SPECIAL_TOKENS}
     special = {name: value for name, value in special.items() if value is not None}
@@ -141,7 +186,11 @@ def _model_eos(facts: ModelFacts) -> int | None:
         from rollout.testing import tiny
 
         return tiny.hf_config(facts.location.removeprefix("builtin:"))["eos_token_id"]
-    directory = Path(facts.location.removeprefix("file://"))
+    return _configured_eos(Path(facts.location.removeprefix("file://")))
+
+
+def _configured_eos(directory: Path) -> int | None:
+    """The end-of-sequence id of a model directory's generation config, else its config."""
     for name in ("generation_config.json", "config.json"):
         value = _json(directory / name).get("eos_token_id")
         value = value[0] if isinstance(value, list) and value else value

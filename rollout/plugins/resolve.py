@@ -389,77 +389,187 @@ def _signature_text(fn: Callable[..., Any]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# checking a reward's signature against its options and the data's fields
+# checking a reward's signature against the call the run makes
 
 
 def check_reward_signature(
-    fn: Callable[..., Any], *, options: Mapping[str, Any], fields: set[str], used_by: str
+    fn: Callable[..., Any],
+    *,
+    options: Mapping[str, Any],
+    fields: set[str],
+    used_by: str,
+    ref: str | None = None,
+    eval_fields: set[str] | None = None,
 ) -> list[Issue]:
-    """Problems calling ``fn(prompts, completions, **fields, **options)`` would have."""
+    """Problems with the call the run makes: ``fn(prompts, completions, **passed, **options)``.
+
+    The call rollout.harness.reward_runner makes: ``passed`` holds the record fields (and mapped
+    roles) that ``fn`` names as parameters after its first two, or every field when it takes
+    ``**kwargs``; every option is passed. fields: the training data's; eval_fields: the evaluation
+    data's, if there is any (its completions are scored too). ref: the reference as written.
+    """
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return []  # nothing to check against; a bad call then fails at the first step
-    name = getattr(fn, "__name__", used_by)
-    prefix = used_by.rpartition(".")[0] or used_by
-    parameters = list(signature.parameters.values())
-    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if not _takes_two_positional(parameters, positional):
+    call = _RewardCall(fn, signature, used_by, ref)
+    if not call.takes_two_positional():
         return [
-            Issue(
+            call.issue(
                 used_by,
-                f"{name}{signature} cannot be called with two positional arguments",
+                f"{call.name}{signature} cannot be called with two positional arguments",
                 hint="a reward takes (prompts, completions, **kwargs) and returns one float per "
                 "completion",
             )
         ]
-    # Parameters after prompts and completions that a keyword (an option or a field) can fill.
-    keywords = {
-        p.name: p
-        for p in parameters
-        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p not in positional[:2]
-    }
-    takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters)
-    issues = [
-        _unknown_option(name, key, keywords, f"{prefix}.options.{key}")
-        for key in options
-        if key not in keywords and not takes_any
-    ]
-    for parameter in keywords.values():
-        required = parameter.default is inspect.Parameter.empty
-        if required and parameter.name not in options and parameter.name not in fields:
-            issues.append(_unsatisfied(name, parameter.name, fields, prefix, used_by))
-    return issues
+    splits = {"the data": fields}
+    if eval_fields is not None:
+        splits["the eval data"] = eval_fields
+    issues = [call.unknown_option(key, options) for key in options if call.rejects(key)]
+    for parameter in call.required():
+        lacking = [data for data, found in splits.items() if parameter not in found]
+        if parameter not in options and lacking:
+            issues.append(call.unsatisfied(parameter, splits[lacking[0]], data=lacking[0]))
+    if issues:
+        return issues
+    for data, found in splits.items():
+        problem = call.twice(options, found, data) or call.unbound(options, found)
+        if problem is not None:
+            return [problem]
+    return []
 
 
-def _takes_two_positional(
-    parameters: list[inspect.Parameter], positional: list[inspect.Parameter]
-) -> bool:
-    """prompts and completions fit, and no other parameter must be given positionally."""
-    if len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in parameters):
-        return False
-    return not any(p.kind is p.POSITIONAL_ONLY and p.default is p.empty for p in positional[2:])
+class _RewardCall:
+    """A reward function's parameters, seen from the call rollout.harness.reward_runner makes."""
+
+    def __init__(
+        self, fn: Callable[..., Any], signature: inspect.Signature, used_by: str, ref: str | None
+    ):
+        self.signature = signature
+        self.name = getattr(fn, "__name__", used_by)
+        self.used_by = used_by
+        self.prefix = used_by.rpartition(".")[0] or used_by
+        self.ref = ref
+        self.parameters = list(signature.parameters.values())
+        self.positional = [
+            p for p in self.parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        # prompts and completions fill the first two positions (or *args).
+        self.slots = self.positional[:2]
+        # Parameters after those that a keyword (an option or a field) can fill.
+        self.keywords = {
+            p.name: p
+            for p in self.parameters
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p not in self.slots
+        }
+        self.takes_any = any(p.kind is p.VAR_KEYWORD for p in self.parameters)
+
+    def takes_two_positional(self) -> bool:
+        """prompts and completions fit, and no other parameter must be given positionally."""
+        if len(self.positional) < 2 and not any(
+            p.kind is p.VAR_POSITIONAL for p in self.parameters
+        ):
+            return False
+        return not any(
+            p.kind is p.POSITIONAL_ONLY and p.default is p.empty for p in self.positional[2:]
+        )
+
+    def rejects(self, key: str) -> bool:
+        """An option the function has no keyword parameter for (a slot's name is not one)."""
+        return key not in self.keywords and not self.takes_any and key not in self._slot_names()
+
+    def required(self) -> list[str]:
+        return [p.name for p in self.keywords.values() if p.default is p.empty]
+
+    def passed(self, options: Mapping[str, Any], fields: set[str]) -> dict[str, Any]:
+        """The keyword arguments of the call: fields (as the lists they are) and options."""
+        names = sorted(f for f in fields if self.takes_any or f in self.keywords)
+        return {**dict.fromkeys(names, _PER_COMPLETION), **options}
+
+    def text(self, options: Mapping[str, Any], fields: set[str]) -> str:
+        """The call as it will be made: score(prompts, completions, answer=[...], scale=2)."""
+        arguments = ["prompts", "completions"]
+        arguments += [f"{key}={value!r}" for key, value in self.passed(options, fields).items()]
+        return _shorten(f"{self.name}({', '.join(arguments)})", 300)
+
+    def twice(self, options: Mapping[str, Any], fields: set[str], data: str) -> Issue | None:
+        """A parameter that takes prompts or completions and is also given by keyword."""
+        for slot, role in zip(self.slots, ("prompts", "completions"), strict=False):
+            if slot.kind is not slot.POSITIONAL_OR_KEYWORD:
+                continue
+            if slot.name in options:
+                source, fix = f"the option {slot.name!r}", "rename the option, or "
+            elif self.takes_any and slot.name in fields:
+                source, fix = f"the field {slot.name!r} of {data}", ""
+            else:
+                continue
+            names = ", ".join(p.name for p in self.slots)
+            return self.issue(
+                self.used_by,
+                f"{self.name}{self.signature} cannot take the call the run makes, "
+                f"{self.text(options, fields)}: {slot.name!r} would get two values, the "
+                f"{role} by position and {source} by keyword",
+                hint=f"{fix}make the first two parameters positional-only "
+                f"({self.name}({names}, /, ...)) or name them prompts and completions",
+            )
+        return None
+
+    def unbound(self, options: Mapping[str, Any], fields: set[str]) -> Issue | None:
+        """Any other way the call would fail, as Python itself would report it."""
+        try:
+            self.signature.bind(_PER_COMPLETION, _PER_COMPLETION, **self.passed(options, fields))
+        except TypeError as exc:
+            return self.issue(
+                self.used_by,
+                f"{self.name}{self.signature} cannot take the call the run makes, "
+                f"{self.text(options, fields)}: {exc}",
+                hint="a reward takes (prompts, completions, **kwargs): add **kwargs, or a "
+                "parameter for each keyword of the call",
+            )
+        return None
+
+    def unknown_option(self, key: str, options: Mapping[str, Any]) -> Issue:
+        accepted = ", ".join(self.keywords) or "none"
+        return Issue(
+            f"{self.prefix}.options.{key}",
+            f"{self.name}{self.signature} has no parameter {key!r}, and the run passes the "
+            f"option as {key}={_shorten(repr(options[key]), 60)}",
+            hint=_did_you_mean(key, self.keywords)
+            or f"the parameters it accepts: {accepted}; add a parameter {key!r} or **kwargs to "
+            f"{self.name}, or remove the option",
+        )
+
+    def unsatisfied(self, parameter: str, fields: set[str], *, data: str) -> Issue:
+        present = ", ".join(sorted(fields)) or "none"
+        return self.issue(
+            self.used_by,
+            f"{self.name}() requires {parameter!r}, which is neither an option nor a field of "
+            f"{data}",
+            hint=f"set {self.prefix}.options.{parameter}, or use data with a {parameter!r} field "
+            f"({data} has: {present})",
+        )
+
+    def issue(self, path: str, message: str, *, hint: str) -> Issue:
+        if self.ref is None:
+            return Issue(path, message, hint=hint)
+        return Issue(path, message, value=self.ref, hint=hint)
+
+    def _slot_names(self) -> set[str]:
+        return {p.name for p in self.slots if p.kind is p.POSITIONAL_OR_KEYWORD}
 
 
-def _unknown_option(
-    name: str, key: str, keywords: Mapping[str, inspect.Parameter], path: str
-) -> Issue:
-    accepted = ", ".join(keywords) or "none"
-    return Issue(
-        path,
-        f"{name}() has no parameter {key!r}",
-        hint=_did_you_mean(key, keywords) or f"the parameters it accepts: {accepted}",
-    )
+class _PerCompletion:
+    """Stands for a list with one value per completion, in a call's description."""
+
+    def __repr__(self) -> str:
+        return "[...]"
 
 
-def _unsatisfied(name: str, parameter: str, fields: set[str], prefix: str, used_by: str) -> Issue:
-    present = ", ".join(sorted(fields)) or "none"
-    return Issue(
-        used_by,
-        f"{name}() requires {parameter!r}, which is neither an option nor a field of the data",
-        hint=f"set {prefix}.options.{parameter}, or use data with a {parameter!r} field "
-        f"(the data has: {present})",
-    )
+_PER_COMPLETION = _PerCompletion()
+
+
+def _shorten(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 # ---------------------------------------------------------------------------------------------

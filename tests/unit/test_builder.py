@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from rollout import PlanError
@@ -160,6 +162,45 @@ def test_reward_signature_is_checked_against_data_fields(config_file, base_confi
     issues = issues_of(config_file, base_config)
     assert "rewards[0].options.strictness" in issues
     assert any("rubric" in issue.message for issue in issues.values())
+
+
+def test_a_reward_the_run_cannot_call_is_refused_with_the_call(config_file, base_config, tmp_path):
+    (tmp_path / "rw.py").write_text(
+        "def score(prompt, completion, **kwargs):\n    return [0.0] * len(completion)\n"
+    )
+    base_config["rewards"] = [{"fn": "./rw.py:score"}]
+    issue = issues_of(config_file, base_config)["rewards[0].fn"]
+    assert issue.value == "./rw.py:score"
+    assert "score(prompts, completions, answer=[...], prompt=[...])" in issue.message
+    assert "'prompt' would get two values" in issue.message
+
+
+def test_a_reward_taking_only_prompts_and_completions_plans(config_file, base_config, tmp_path):
+    """The reward runner passes it no record field (it names none) and no option."""
+    (tmp_path / "rw.py").write_text(
+        "def score(prompts, completions):\n    return [0.0] * len(completions)\n"
+    )
+    base_config["rewards"] = [{"fn": "./rw.py:score"}]
+    assert plan_of(config_file, base_config).plugins[0].signature == "(prompts, completions)"
+
+
+def test_a_reward_field_missing_from_the_eval_data_is_refused(config_file, base_config, tmp_path):
+    (tmp_path / "rw.py").write_text(
+        "def score(prompts, completions, *, level):\n    return [0.0] * len(completions)\n"
+    )
+    (tmp_path / "eval.jsonl").write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n')
+    base_config["data"]["eval"] = {"path": "eval.jsonl"}
+    base_config["rewards"] = [{"fn": "./rw.py:score"}]
+    path = config_file(base_config)
+    records = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    (tmp_path / "train.jsonl").write_text(
+        "".join(json.dumps({**r, "level": 1}) + "\n" for r in records)
+    )
+    with pytest.raises(PlanError) as caught:
+        build_plan(path, hardware=LAPTOP)
+    (issue,) = caught.value.issues
+    assert issue.path == "rewards[0].fn"
+    assert issue.message.endswith("neither an option nor a field of the eval data")
 
 
 def test_seeds_are_derived_stably_and_independently():

@@ -140,6 +140,30 @@ def test_missing_or_unknown_prompt_files(tmp_path):
     assert "cannot tell the format" in issues(caught)["--prompts"]
 
 
+def test_a_missing_prompt_file_says_relative_paths_start_at_the_current_directory(
+    tmp_path, monkeypatch
+):
+    """Without --config and with one: --prompts is typed on the command line, so it starts at
+    the current directory either way (only paths inside the config start at its directory)."""
+    from typer.testing import CliRunner
+
+    from rollout.cli.app import app
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "gen.toml").write_text('[model]\nbuiltin = "tiny-llama"\n')
+    write_jsonl(tmp_path / "configs" / "questions.jsonl", [{"prompt": "Hi"}])
+    expected = f"relative paths start at the current directory ({tmp_path})"
+    for model in (["--model", "tiny-llama"], ["--config", "configs/gen.toml"]):
+        args = ["generate", "--prompts", "questions.jsonl", "--out", "o.jsonl", *model]
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2, result.output
+        output = " ".join(result.output.split())
+        assert f"prompt file not found: {tmp_path / 'questions.jsonl'}" in output
+        assert expected in output
+        assert "config file" not in output and "Traceback" not in output
+
+
 # --- settings ---------------------------------------------------------------------------------------
 
 

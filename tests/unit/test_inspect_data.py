@@ -169,6 +169,11 @@ def test_missing_file_suggests_a_near_name(tmp_path):
     assert issue.hint == "did you mean 'train.jsonl'?"
 
 
+def test_missing_file_says_relative_paths_start_at_the_config_files_directory(tmp_path):
+    issue = only_issue("nothing-like-it.jsonl", tmp_path)
+    assert issue.hint == "relative paths start at the config file's directory"
+
+
 def test_jsonl_over_fsspec(tmp_path):
     fsspec = pytest.importorskip("fsspec")
     data = write_jsonl(tmp_path / "t.jsonl", qa(4)).read_bytes()

@@ -114,6 +114,19 @@ def test_a_record_longer_than_max_length(tmp_path, kind, field, what):
     assert "raise algorithm.max_length to at least" in issue.hint
 
 
+def test_records_longer_than_max_length_make_one_issue_at_the_longest(tmp_path):
+    records = [dict(r) for r in DEMOS]
+    records[1]["completion"] = "forty two " * 30
+    records[5]["completion"] = "forty two " * 40
+    (issue,) = plan_issues(offline_config(tmp_path, "sft", records, max_length=64))
+    assert issue.message.startswith(f"record 6 (line 6) of {tmp_path / 'train.jsonl'}: ")
+    assert issue.message.endswith(
+        "(the longest of 2 records over the limit; the first is record 2 (line 2))"
+    )
+    length = int(issue.message.split(" is ")[1].split(" tokens")[0])
+    assert issue.hint.startswith(f"raise algorithm.max_length to at least {length},")
+
+
 def test_sft_messages_longer_than_max_length_name_the_messages_field(tmp_path):
     conversation = [
         {"role": "user", "content": "Count."},

@@ -387,6 +387,125 @@ def test_star_args_take_prompts_and_completions():
     assert check(score) == []
 
 
+def test_an_option_the_function_cannot_take_names_its_signature_the_call_and_the_fix():
+    def score(prompts, completions):
+        return []
+
+    (issue,) = check(score, {"scale": 2})
+    assert issue.path == "rewards[0].options.scale"
+    assert issue.message == (
+        "score(prompts, completions) has no parameter 'scale', and the run passes the option as "
+        "scale=2"
+    )
+    assert issue.hint == (
+        "the parameters it accepts: none; add a parameter 'scale' or **kwargs to score, or remove "
+        "the option"
+    )
+
+
+def test_a_parameter_given_twice_names_the_plugin_its_signature_the_call_and_the_fix(tmp_path):
+    """Named prompt/completion, the first two parameters collide with the 'prompt' role that
+    **kwargs receives: the run's call fails with "got multiple values for argument 'prompt'"."""
+    write(
+        tmp_path / "rewards.py",
+        "def score(prompt, completion, **kwargs):\n    return [0.0] * len(completion)\n",
+    )
+    fn = resolve("rewards.py:score", tmp_path).fn
+    (issue,) = check_reward_signature(
+        fn,
+        options={"scale": 2},
+        fields={"prompt", "answer"},
+        used_by=USED_BY,
+        ref="./rewards.py:score",
+    )
+    assert (issue.path, issue.value) == (USED_BY, "./rewards.py:score")
+    assert issue.message == (
+        "score(prompt, completion, **kwargs) cannot take the call the run makes, "
+        "score(prompts, completions, answer=[...], prompt=[...], scale=2): 'prompt' would get two "
+        "values, the prompts by position and the field 'prompt' of the data by keyword"
+    )
+    assert issue.hint == (
+        "make the first two parameters positional-only (score(prompt, completion, /, ...)) or "
+        "name them prompts and completions"
+    )
+
+
+def test_an_option_named_like_the_first_two_parameters_is_given_twice():
+    def score(prompts, completions):
+        return []
+
+    (issue,) = check(score, {"completions": 3})
+    assert "'completions' would get two values, the completions by position and the option" in (
+        issue.message
+    )
+    assert issue.hint.startswith("rename the option, or make the first two parameters")
+
+
+def test_the_eval_data_is_checked_too():
+    def needs_difficulty(prompts, completions, *, difficulty):
+        return []
+
+    def takes_everything(prompts, completions, **kwargs):
+        return []
+
+    fields = {"prompt", "answer", "difficulty"}
+    (issue,) = check_reward_signature(
+        needs_difficulty, options={}, fields=fields, eval_fields={"prompt"}, used_by=USED_BY
+    )
+    assert issue.message == (
+        "needs_difficulty() requires 'difficulty', which is neither an option nor a field of the "
+        "eval data"
+    )
+    assert "(the eval data has: prompt)" in issue.hint
+    (issue,) = check_reward_signature(
+        takes_everything, options={}, fields=fields, eval_fields={"completions"}, used_by=USED_BY
+    )
+    assert "the field 'completions' of the eval data by keyword" in issue.message
+
+
+# The plan accepts a reward exactly when the run's own reward runner can call it: each signature,
+# with these options, on records holding the fields 'prompt' and 'answer'.
+CALLS = [
+    ("prompts, completions", {}, True),  # gets no keyword at all: no field is named
+    ("prompts, completions", {"scale": 2}, False),
+    ("prompts, completions, **kwargs", {"scale": 2}, True),
+    ("prompts, completions, *, answer", {}, True),
+    ("prompts, completions, answer=None, prompt=None", {}, True),
+    ("prompts, completions, *, rubric", {}, False),
+    ("prompts, completions, *, rubric", {"rubric": "strict"}, True),
+    ("prompts, completions, extra", {}, False),
+    ("prompts, completions, extra, /", {}, False),
+    ("completions", {}, False),
+    ("prompt, completion, **kwargs", {}, False),
+    ("prompt, completion, /, **kwargs", {}, True),
+    ("prompt, completion, answer", {}, True),  # 'prompt' is not passed: it fills the first slot
+    ("prompts, completions", {"completions": 1}, False),
+    ("prompts, completions, **kwargs", {"prompts": 1}, False),
+    ("prompts, *args, **kwargs", {"prompts": 1}, False),
+    ("*args, answer", {}, True),
+    ("*args, **kwargs", {"prompt": 1}, True),
+]
+
+
+@pytest.mark.parametrize(("parameters", "options", "works"), CALLS)
+def test_the_plan_accepts_exactly_what_the_reward_runner_can_call(parameters, options, works):
+    from rollout.harness.reward_runner import RewardError, RewardRunner, describe
+
+    namespace: dict = {}
+    exec(f"def score({parameters}):\n    return [0.0]", namespace)
+    fn = namespace["score"]
+    runner = RewardRunner([describe("score", fn, 1.0, options, timeout_s=10)])
+    try:
+        runner.score(["p"], ["c"], [{"prompt": "p", "answer": "1"}])
+        ran = True
+    except RewardError as error:
+        assert "TypeError" in str(error)
+        ran = False
+    assert ran is works
+    issues = check(fn, options, fields={"prompt", "answer"})
+    assert (issues == []) is works, issues
+
+
 # ---------------------------------------------------------------------------------------------
 # freshness
 

@@ -21,7 +21,8 @@ PACKAGE = REPO / "rollout"
 ALLOWED = {
     "config": {"config", "errors"},
     "schema": {"config", "errors", "schema"},
-    "plan": {"config", "plugins", "errors", "plan", "testing", "harness", "__init__"},
+    # cache: the planner reads a GGUF model's tokenizer from the worker's dequantized copy.
+    "plan": {"config", "plugins", "errors", "plan", "testing", "harness", "cache", "__init__"},
     "plugins": {"plugins", "errors", "plan", "__init__"},
     "storage": {"storage", "config", "errors"},
     "executor": {"executor", "plan", "storage", "config", "errors"},
