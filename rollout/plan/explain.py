@@ -7,12 +7,13 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from rollout.config.algorithm import ONLINE_KINDS
+from rollout.config.algorithm import ONLINE_KINDS, REFERENCE_KINDS
 from rollout.plan.definition import Plan
 from rollout.plan.memory import (
     BYTES_PER_PARAM,
     GenerationShape,
     generation_shape,
+    keeps_reference_model,
     size_text,
     vllm_kv_room,
 )
@@ -166,7 +167,7 @@ def _graph(plan: Plan) -> Table:
     return table
 
 
-def _memory(plan: Plan) -> Table:
+def _memory(plan: Plan) -> Table | Group:
     """One column per device, one row per item: stays readable however many items there are."""
     table = Table(title="Memory estimate", title_justify="left")
     table.add_column("item", style="bold")
@@ -178,7 +179,20 @@ def _memory(plan: Plan) -> Table:
     table.add_row("[bold]total[/]", *(f"[bold]{_gib(e.total_bytes)}[/]" for e in plan.memory))
     table.add_row("capacity", *(_gib(e.capacity_bytes) for e in plan.memory))
     table.add_row("fits", *("[green]yes[/]" if e.fits else "[red]no[/]" for e in plan.memory))
-    return table
+    note = _reference_note(plan)
+    return table if note is None else Group(table, Text(note))
+
+
+def _reference_note(plan: Plan) -> str | None:
+    """Where the reference log-probs come from, and so whether a reference model is counted."""
+    if keeps_reference_model(plan.config):
+        return "reference weights: a frozen copy of the initial policy, loaded through training"
+    if plan.config.algorithm.kind in REFERENCE_KINDS:
+        return (
+            "reference: log-probs computed once before step 1 by the policy itself and cached in "
+            "the run directory; no reference model is held (that pass needs less than a step)"
+        )
+    return None
 
 
 def _plugins(plan: Plan) -> Table:

@@ -11,6 +11,9 @@ the evaluation prompts, which the hf engine also decodes in one chunk), for how 
 (max_prompt_tokens + max_new_tokens). Its KV cache is layers x 2 (keys and values) x kv_heads x
 head_dim x dtype bytes per token, times batch x context. The hf engine on a float32 CPU model also
 keeps a packed copy of its linear weights while it samples (see PACK_MAX_BYTES below).
+
+A reference model is counted only where the runtime keeps one loaded (keeps_reference_model):
+DPO, IPO and KTO with the default reference = "cached" hold none while they train.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from rollout.config.algorithm import ONLINE_KINDS
+from rollout.config.algorithm import ONLINE_KINDS, REFERENCE_KINDS
 from rollout.config.root import RunConfig
 from rollout.errors import Issue, PlanError
 from rollout.plan.definition import (
@@ -160,6 +163,21 @@ def _linear_weight_params(model: ModelFacts) -> tuple[int, int]:
     return model.num_layers * per_layer, model.vocab_size * hidden
 
 
+def keeps_reference_model(config: RunConfig) -> bool:
+    """Whether a frozen copy of the policy stays loaded beside it through training: the online
+    kinds with a KL term (kl_coef > 0), and DPO, IPO and KTO with reference = "live".
+
+    With reference = "cached", the reference log-probs are computed once before step 1 by the
+    policy itself (it is the reference until its first update), under no_grad, one micro batch
+    at a time, before the optimizer exists: that pass holds the weights and one micro batch's
+    forward pass, a part of what training then holds, so it never sets the peak.
+    """
+    algo = config.algorithm
+    if algo.kind in ONLINE_KINDS:
+        return algo.kl_coef > 0
+    return algo.kind in REFERENCE_KINDS and algo.reference == "live"
+
+
 def estimate_memory(
     config: RunConfig,
     model: ModelFacts,
@@ -285,7 +303,7 @@ def _process_items(
         items["kv_cache"] += shape.kv_cache_bytes
         items["sampling"] += shape.sampling_bytes
         items["packed_weights"] += shape.packed_weight_bytes
-    if "reference" in roles:
+    if "reference" in roles and keeps_reference_model(config):
         items["reference_weights"] += params * width
     if "critic" in roles:
         items["critic"] += params * (width * 2 + (8 if width == 4 else 12))
@@ -338,8 +356,9 @@ _REMEDIES = {
     "optimizer": 'use model.dtype = "bfloat16" or a smaller model',
     "weights": 'use model.dtype = "bfloat16" or a smaller model',
     "gradients": 'use model.dtype = "bfloat16" or a smaller model',
-    "reference_weights": "set algorithm.kl_coef = 0 (no reference model) or place the reference "
-    "role on another process",
+    "reference_weights": 'use algorithm.reference = "cached" (DPO, IPO, KTO) or set '
+    "algorithm.kl_coef = 0 (online kinds): no reference model is held then; or place the "
+    "reference role on another process",
     "critic": 'use algorithm.critic = "value_head" or place the critic on another process',
     "runtime": "run fewer processes per node (cluster.nproc_per_node)",
     "vllm": "lower generation.gpu_memory_utilization or place the actor on its own GPU",

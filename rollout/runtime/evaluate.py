@@ -16,8 +16,13 @@ def evaluate(
     rewards: RewardRunner,
     rows: Sequence[Mapping[str, Any]],
     generation: Any,
-) -> dict[str, float]:
-    """Mean reward (total and per function) of greedy completions on ``rows``."""
+) -> tuple[dict[str, float], int]:
+    """Summed rewards (total and per function) of greedy completions on ``rows``, and how many
+    rows they cover. Sums, not means: ranks evaluate shards of different sizes, so the means
+    are taken over every rank's sums and counts (rollout.runtime.recording.record_means)."""
+    names = ["eval/reward", *(f"eval/{f.name}" for f in rewards.functions)]
+    if not rows:  # a rank with no share of a small eval set still takes part in the reduction
+        return dict.fromkeys(names, 0.0), 0
     prompts = [prompt_format.prompt_text(row) for row in rows]
     params = SamplingParams(
         max_new_tokens=generation.max_new_tokens, temperature=0.0, stop=tuple(generation.stop), n=1
@@ -26,8 +31,7 @@ def evaluate(
     scores = rewards.score(
         prompts, [c.text for c in completions], [prompt_format.reward_row(row) for row in rows]
     )
-    count = max(1, len(rows))
-    metrics = {"eval/reward": sum(scores.total) / count}
+    sums = {"eval/reward": sum(scores.total)}
     for name, values in scores.per_function.items():
-        metrics[f"eval/{name}"] = sum(values) / count
-    return metrics
+        sums[f"eval/{name}"] = sum(values)
+    return sums, len(rows)

@@ -1,8 +1,8 @@
 """The offline loop (DPO, IPO, KTO, SFT, reward models): batches of a fixed dataset, step by step.
 
 It reads top to bottom: load the model and tokenize the data, get the reference log-probs (cached
-in the run directory, or a live reference model), resume from the latest complete checkpoint,
-then one optimizer step per batch. Records are dealt as the online loop deals prompts
+in the run directory, or a live reference model), resume from the latest complete checkpoint
+(rollout.runtime.run_state, as the online loop does), then one optimizer step per batch. Records are dealt as the online loop deals prompts
 (rollout.runtime.data.PromptStream: seeded shuffles, epoch after epoch), so the checkpointed cursor
 resumes without repeating or skipping a batch. What is specific to an objective lives in
 rollout.runtime.offline_objectives and its maths in rollout.algorithms.
@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 from rollout.harness.model_reward import SAMPLE_FORMAT_KEY
 from rollout.plan.builder import derive_seed
-from rollout.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from rollout.runtime.components import build_optimizer, build_scheduler
 from rollout.runtime.data import PromptStream
 from rollout.runtime.models import LoadedModel, load_model
@@ -37,8 +36,9 @@ from rollout.runtime.offline_objectives import (
     build_reward_model,
     sequence_sums,
 )
-from rollout.runtime.recording import gather_by_rank, record_metrics
+from rollout.runtime.recording import record_metrics
 from rollout.runtime.reference_cache import FILE_NAME, cache_key, cached_reference
+from rollout.runtime.run_state import RunState
 from rollout.runtime.worker import WorkerContext
 from rollout.storage.writer import BackgroundWriter
 
@@ -62,22 +62,20 @@ class Run:
 def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
     plan, config = ctx.plan, ctx.plan.config
     run = _build(ctx)
-    checkpoints = Path(plan.derived.artifacts)
+    checkpoints = RunState(
+        Path(plan.derived.artifacts),
+        run.model,
+        run.tokenizer,
+        run.optimizer,
+        run.scheduler,
+        run.stream,
+    )
     per_rank = plan.derived.minibatch_size // ctx.world_size
 
     start = 0
-    latest = latest_checkpoint(checkpoints)
-    if latest is not None:
-        saved_optimizer = config.checkpoint.save_optimizer
-        state = load_checkpoint(
-            latest,
-            model=run.model,
-            optimizer=run.optimizer if saved_optimizer else None,
-            scheduler=run.scheduler if saved_optimizer else None,
-        )
-        start = state["step"]
-        run.stream.load_state_dict(state["cursor"][str(ctx.rank)])
-        log.info("resumed from %s at step %d", latest, start)
+    resumed = checkpoints.resume(ctx)
+    if resumed is not None:
+        start = resumed["step"]
     elif run.eval is not None:
         record_metrics(ctx, writer, 0, _evaluate(ctx, run))
 
@@ -86,7 +84,7 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
     for step in range(start + 1, total + 1):
         if ctx.stop.is_set():
             log.warning("stop requested: checkpointing at step %d and exiting", step - 1)
-            _checkpoint(ctx, run, checkpoints, step - 1, writer)
+            checkpoints.save(ctx, writer, step - 1)
             return
         started = time.perf_counter()
         rows = run.stream.take(per_rank)
@@ -103,7 +101,7 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
         if run.eval is not None and (last or (interval and step % interval == 0)):
             record_metrics(ctx, writer, step, _evaluate(ctx, run))
         if last or step % config.checkpoint.interval == 0:
-            _checkpoint(ctx, run, checkpoints, step, writer)
+            checkpoints.save(ctx, writer, step)
 
 
 def _optimizer_step(ctx: WorkerContext, run: Run, indices: list[int]) -> tuple[dict, int]:
@@ -282,7 +280,7 @@ def _reference(
     return CachedReference(tables)
 
 
-# --- recording and checkpoints -------------------------------------------------------------------
+# --- gradients -----------------------------------------------------------------------------------
 
 
 def _average_gradients(model: Any, world_size: int) -> None:
@@ -292,27 +290,3 @@ def _average_gradients(model: Any, world_size: int) -> None:
         if param.grad is not None:
             dist.all_reduce(param.grad)
             param.grad /= world_size
-
-
-def _checkpoint(
-    ctx: WorkerContext, run: Run, root: Path, step: int, writer: BackgroundWriter
-) -> None:
-    """Rank 0 saves (ranks hold identical weights); every rank's data cursor goes with it."""
-    writer.flush()  # every metric and log line of the steps it covers reaches the store first
-    cursors = gather_by_rank(ctx, run.stream.state_dict())
-    if ctx.is_main and step > 0:
-        saved_optimizer = ctx.plan.config.checkpoint.save_optimizer
-        path = save_checkpoint(
-            root,
-            step,
-            model=run.model,
-            tokenizer=run.tokenizer,
-            optimizer=run.optimizer if saved_optimizer else None,
-            scheduler=run.scheduler if saved_optimizer else None,
-            trainer_state={"step": step, "cursor": cursors},
-            keep_last=ctx.plan.config.checkpoint.keep_last,
-        )
-        writer.write_checkpoint(ctx.plan.run_id, step, str(path))
-        log.info("checkpoint %s", path)
-    if ctx.world_size > 1:
-        dist.barrier()

@@ -1,5 +1,6 @@
-"""What every training loop reports across ranks: metrics averaged over ranks and written by rank 0
-(through the background writer, off the hot path), and per-rank state gathered for a checkpoint."""
+"""What every training loop reports across ranks, written by rank 0 (through the background
+writer, off the hot path): step metrics averaged over ranks, evaluation means over every rank's
+samples, and per-rank state gathered for a checkpoint."""
 
 from __future__ import annotations
 
@@ -20,15 +21,42 @@ if TYPE_CHECKING:
 def record_metrics(
     ctx: WorkerContext, writer: BackgroundWriter, step: int, metrics: Mapping[str, float]
 ) -> None:
-    """Average metrics over ranks; rank 0 writes them."""
+    """Average metrics over ranks (each rank's are over equal shares of the step); rank 0
+    writes them."""
     values = dict(metrics)
     if ctx.world_size > 1:
         names = sorted(values)
-        stacked = torch.tensor([values[n] for n in names], dtype=torch.float64)
-        dist.all_reduce(stacked)
-        values = dict(zip(names, (stacked / ctx.world_size).tolist(), strict=True))
+        totals = _sum_over_ranks([values[n] for n in names])
+        values = {name: total / ctx.world_size for name, total in zip(names, totals, strict=True)}
     if ctx.is_main:
         writer.write_metrics(ctx.plan.run_id, step, values)
+
+
+def record_means(
+    ctx: WorkerContext,
+    writer: BackgroundWriter,
+    step: int,
+    sums: Mapping[str, float],
+    count: int,
+) -> None:
+    """Each metric's mean over every rank's samples, from each rank's `sums` over its `count`
+    samples (the same names on every rank): a rank that evaluated more samples weighs more,
+    where a mean of per-rank means would weigh every rank alike. Rank 0 writes them."""
+    names = sorted(sums)
+    totals = [sums[n] for n in names] + [float(count)]
+    if ctx.world_size > 1:
+        totals = _sum_over_ranks(totals)
+    *totals, samples = totals
+    means = {name: total / max(1.0, samples) for name, total in zip(names, totals, strict=True)}
+    if ctx.is_main:
+        writer.write_metrics(ctx.plan.run_id, step, means)
+
+
+def _sum_over_ranks(values: list[float]) -> list[float]:
+    """Element-wise sums of every rank's `values` (the same length everywhere); collective."""
+    stacked = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(stacked)
+    return stacked.tolist()
 
 
 def gather_by_rank(ctx: WorkerContext, value: Any) -> dict[str, Any]:

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from rollout.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from rollout.engines.base import Engine, SamplingParams
@@ -25,13 +25,7 @@ from rollout.engines.hf import HfEngine
 from rollout.harness.reward_runner import RewardRunner
 from rollout.plan.builder import derive_seed
 from rollout.runtime.actor import Actor, PromptFormat
-from rollout.runtime.checkpoint import (
-    Extra,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-    set_rng_state,
-)
+from rollout.runtime.checkpoint import Extra
 from rollout.runtime.components import (
     build_optimizer,
     build_reward_functions,
@@ -42,7 +36,8 @@ from rollout.runtime.critic import Critic, value_model_for
 from rollout.runtime.evaluate import evaluate
 from rollout.runtime.learner import Learner, LearnerKnobs
 from rollout.runtime.models import apply_chat_template, load_model
-from rollout.runtime.recording import gather_by_rank, gather_rng, record_metrics
+from rollout.runtime.recording import record_means, record_metrics
+from rollout.runtime.run_state import RunState
 from rollout.runtime.shaping import TokenAdvantages
 from rollout.runtime.worker import WorkerContext
 from rollout.storage.writer import BackgroundWriter
@@ -82,43 +77,33 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
     torch.manual_seed(plan.seeds.per_rank[ctx.rank])
     roles = _build_roles(ctx)
     stream, eval_rows = load_data(ctx)
-    checkpoints = Path(plan.derived.artifacts)
+    # Every rank evaluates (a collective) when the run has an eval split, even a rank whose share
+    # of it is empty.
+    evaluates = config.data.eval is not None and any(f.split == "eval" for f in plan.data)
+    checkpoints = RunState(
+        Path(plan.derived.artifacts),
+        roles.learner.model,
+        roles.tokenizer,
+        roles.learner.optimizer,
+        roles.learner.scheduler,
+        stream,
+        roles.extras(),
+    )
     prompts_per_rank = plan.derived.prompts_per_step // ctx.world_size
 
     start = 0
-    latest = latest_checkpoint(checkpoints)
-    if latest is not None:
-        # Saved without optimizer state (checkpoint.save_optimizer = false): fresh ones.
-        with_optimizer = config.checkpoint.save_optimizer
-        state = load_checkpoint(
-            latest,
-            model=roles.learner.model,
-            optimizer=roles.learner.optimizer if with_optimizer else None,
-            scheduler=roles.learner.scheduler if with_optimizer else None,
-            extras=roles.extras(),
-        )
-        start = state["step"]
-        stream.load_state_dict(state["cursor"][str(ctx.rank)])
-        # The checkpoint's RNG files are rank 0's; every other rank's travel in the trainer state.
-        if str(ctx.rank) in state.get("rng", {}):
-            set_rng_state(state["rng"][str(ctx.rank)])
-        roles.sync_weights(state["policy_version"])
-        log.info("resumed from %s at step %d", latest, start)
-    elif eval_rows:
-        record_metrics(
-            ctx,
-            writer,
-            0,
-            evaluate(
-                roles.engine, roles.prompt_format, roles.actor.rewards, eval_rows, config.generation
-            ),
-        )
+    resumed = checkpoints.resume(ctx)
+    if resumed is not None:
+        start = resumed["step"]
+        roles.sync_weights(resumed["policy_version"])
+    elif evaluates:
+        _evaluate(ctx, roles, eval_rows, writer, 0)
 
     log.info("training %s for steps %d..%d", algo.kind, start + 1, plan.derived.total_steps)
     for step in range(start + 1, plan.derived.total_steps + 1):
         if ctx.stop.is_set():
             log.warning("stop requested: checkpointing at step %d and exiting", step - 1)
-            _checkpoint(ctx, roles, stream, checkpoints, step - 1, writer)
+            checkpoints.save(ctx, writer, step - 1, {"policy_version": roles.engine.policy_version})
             return
         started = time.perf_counter()
         rows = stream.take(prompts_per_rank)
@@ -141,23 +126,26 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
         record_metrics(ctx, writer, step, metrics)
 
         last = step == plan.derived.total_steps
-        if eval_rows and (
+        if evaluates and (
             last or (config.run.eval_interval and step % config.run.eval_interval == 0)
         ):
-            record_metrics(
-                ctx,
-                writer,
-                step,
-                evaluate(
-                    roles.engine,
-                    roles.prompt_format,
-                    roles.actor.rewards,
-                    eval_rows,
-                    config.generation,
-                ),
-            )
+            _evaluate(ctx, roles, eval_rows, writer, step)
         if last or step % config.checkpoint.interval == 0:
-            _checkpoint(ctx, roles, stream, checkpoints, step, writer)
+            checkpoints.save(ctx, writer, step, {"policy_version": roles.engine.policy_version})
+
+
+def _evaluate(
+    ctx: WorkerContext,
+    roles: Roles,
+    rows: list[dict[str, Any]],
+    writer: BackgroundWriter,
+    step: int,
+) -> None:
+    """Each rank scores its shard of the eval prompts; the means are over all of them."""
+    sums, count = evaluate(
+        roles.engine, roles.prompt_format, roles.actor.rewards, rows, ctx.plan.config.generation
+    )
+    record_means(ctx, writer, step, sums, count)
 
 
 def _build_roles(ctx: WorkerContext) -> Roles:
@@ -317,36 +305,3 @@ def _build_critic(model: torch.nn.Module, algo, optimizer_steps: int) -> Critic:
         value_clip=algo.value_clip,
         max_grad_norm=algo.max_grad_norm,
     )
-
-
-def _checkpoint(
-    ctx: WorkerContext, roles: Roles, stream, root: Path, step: int, writer: BackgroundWriter
-) -> None:
-    """Rank 0 saves (ranks hold identical weights); every rank's data cursor goes with it."""
-    # Everything recorded up to this step reaches the store before the checkpoint exists, so a
-    # crash after it loses no metric or log line of the steps it covers.
-    writer.flush()
-    cursors = gather_by_rank(ctx, stream.state_dict())
-    rng = gather_rng(ctx)
-    if ctx.is_main and step > 0:
-        with_optimizer = ctx.plan.config.checkpoint.save_optimizer
-        path = save_checkpoint(
-            root,
-            step,
-            model=roles.learner.model,
-            tokenizer=roles.tokenizer,
-            optimizer=roles.learner.optimizer if with_optimizer else None,
-            scheduler=roles.learner.scheduler if with_optimizer else None,
-            trainer_state={
-                "step": step,
-                "cursor": cursors,
-                "rng": rng,
-                "policy_version": roles.engine.policy_version,
-            },
-            keep_last=ctx.plan.config.checkpoint.keep_last,
-            extras=roles.extras(),
-        )
-        writer.write_checkpoint(ctx.plan.run_id, step, str(path))
-        log.info("checkpoint %s", path)
-    if ctx.world_size > 1:
-        dist.barrier()

@@ -37,6 +37,12 @@ def slow(prompts, completions, **_):
     return [0.0 for _ in completions]
 """
 
+MARKED_REWARD = """
+def marked(prompts, completions, **_):
+    # 1 for one prompt, whatever the completion: the mean over any set of prompts is known.
+    return [float(p.startswith("What is 8 + 12?")) for p in prompts]
+"""
+
 BROKEN_REWARD = """
 def flaky(prompts, completions, **_):
     return [float("nan") if i == 2 else 0.0 for i, _ in enumerate(completions)]
@@ -49,6 +55,7 @@ def workdir(tmp_path: Path) -> Path:
     (tmp_path / "examples" / "sevens.py").write_text(LEARNABLE_REWARD)
     (tmp_path / "examples" / "flaky.py").write_text(BROKEN_REWARD)
     (tmp_path / "examples" / "slow.py").write_text(SLOW_REWARD)
+    (tmp_path / "examples" / "marked.py").write_text(MARKED_REWARD)
     return tmp_path
 
 
@@ -291,7 +298,8 @@ def _processes_mentioning(marker: str) -> list[int]:
 
 def test_two_data_parallel_ranks_train_and_checkpoint_both(workdir):
     """Two torchrun workers (gloo): each samples its share of the prompts, gradients are
-    averaged, and the checkpoint carries both ranks' data cursors and rank 1's RNG states."""
+    averaged, the checkpoint carries both ranks' data cursors and rank 1's RNG states, and the
+    eval means are over every prompt however unevenly the ranks shared them."""
     import json
 
     result = rollout(
@@ -304,13 +312,21 @@ def test_two_data_parallel_ranks_train_and_checkpoint_both(workdir):
         "--set",
         "algorithm.max_steps=2",
         "--set",
-        "data.eval=null",
+        "rewards=[{ fn = './marked.py:marked' }]",
+        "--set",
+        "data.eval.limit=3",
         "--set",
         "run.eval_interval=null",
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    _, record = only_run(workdir)
+    store, record = only_run(workdir)
     assert record.status == "finished"
+    # Eval prompts 0 and 2 on rank 0 (rewards 1 and 0), prompt 1 on rank 1 (reward 0): 1 of 3,
+    # where the mean of the ranks' means would be (1/2 + 0) / 2.
+    for name in ("eval/reward", "eval/marked"):
+        evals = sorted(store.metrics(record.run_id, [name]), key=lambda m: m.step)
+        assert [m.step for m in evals] == [0, 2]
+        assert [m.value for m in evals] == pytest.approx([1 / 3, 1 / 3]), name
     (checkpoint,) = (workdir / "runs").glob("*/checkpoints/step-000002")
     state = json.loads((checkpoint / "trainer.json").read_text())["trainer_state"]
     assert set(state["cursor"]) == {"0", "1"}

@@ -340,3 +340,78 @@ def test_rng_state_as_json_round_trips():
     assert torch.equal(drawn[0], expected[0])
     assert np.array_equal(drawn[1], expected[1])
     assert drawn[2] == expected[2]
+
+
+# --- A run's state across ranks (rollout.runtime.run_state) --------------------------------------
+
+
+class Writer:
+    def __init__(self):
+        self.checkpoints: list[int] = []
+
+    def flush(self) -> None:
+        pass
+
+    def write_checkpoint(self, run_id: str, step: int, location: str) -> None:
+        self.checkpoints.append(step)
+
+
+def rank_context(rank: int, world: int):
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(checkpoint=SimpleNamespace(save_optimizer=True, keep_last=2))
+    return SimpleNamespace(
+        rank=rank,
+        world_size=world,
+        is_main=rank == 0,
+        plan=SimpleNamespace(run_id="run", config=config),
+    )
+
+
+def run_state(root: Path, tokenizer, rank: int, *, seed: int = 0):
+    from rollout.runtime.data import PromptStream
+    from rollout.runtime.run_state import RunState
+
+    training = Training(seed=seed)
+    records = [{"i": i} for i in range(10)]
+    stream = PromptStream(records, seed=7, shuffle=True, rank=rank, world_size=2)
+    return RunState(root, training.model, tokenizer, training.optimizer, training.scheduler, stream)
+
+
+def test_every_rank_resumes_its_cursor_and_its_own_rng(tmp_path: Path, tokenizer, monkeypatch):
+    """Rank 0 saves for two ranks (the gathers stand in for the collectives); each rank then
+    resumes its own data cursor and draws what it would have drawn had the run gone on."""
+    import json
+
+    from rollout.runtime import run_state as module
+    from rollout.runtime.checkpoint import rng_state
+
+    ranks = [run_state(tmp_path, tokenizer, rank) for rank in (0, 1)]
+    for state in ranks:
+        state.stream.take(3)
+    torch.manual_seed(11)  # rank 1's generator as it stands at the checkpoint
+    rank1_rng = json.loads(json.dumps(rng_state()))
+    rank1_draws = torch.rand(3)
+    monkeypatch.setattr(
+        module, "gather_by_rank", lambda ctx, value: {"0": value, "1": ranks[1].stream.state_dict()}
+    )
+    monkeypatch.setattr(module, "gather_rng", lambda ctx: {"1": rank1_rng})
+    monkeypatch.setattr(module.dist, "barrier", lambda: None)
+    torch.manual_seed(10)  # rank 0's
+    writer = Writer()
+    ranks[0].save(rank_context(0, 2), writer, 4, {"policy_version": 4})
+    rank0_draws = torch.rand(3)
+    assert writer.checkpoints == [4]
+
+    for rank, draws in ((0, rank0_draws), (1, rank1_draws)):
+        resumed = run_state(tmp_path, tokenizer, rank, seed=1)
+        torch.manual_seed(99)  # what a restarted worker seeds before resuming
+        state = resumed.resume(rank_context(rank, 2))
+        assert state["step"] == 4 and state["policy_version"] == 4
+        assert torch.equal(torch.rand(3), draws), rank
+        assert resumed.stream.take(2) == ranks[rank].stream.take(2)
+        assert_same_weights(resumed.model, ranks[0].model)
+
+
+def test_a_fresh_run_has_nothing_to_resume(tmp_path: Path, tokenizer):
+    assert run_state(tmp_path / "checkpoints", tokenizer, 0).resume(rank_context(0, 2)) is None

@@ -249,3 +249,63 @@ def test_vllm_plan_fails_clearly_without_cuda_or_the_package(config_file, base_c
             assert "pip install 'rollout[vllm]'" in hints
         if needs_gpu:
             assert 'engine = "hf"' in hints and "this plan runs on cpu" in messages
+
+
+# tiny-llama's parameters: embeddings 512 x 64 (the head is tied to them), 2 layers of
+# 64 x (64 + 2 x 32) + 64 x 64 attention, 3 x 64 x 128 MLP and 2 x 64 norms, a final norm of 64.
+TINY_PARAMS = 512 * 64 + 2 * (64 * 128 + 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64
+
+
+@pytest.mark.parametrize(
+    ("kind", "settings", "reference_bytes"),
+    [
+        ("dpo", {}, 0),  # reference = "cached", the default
+        ("ipo", {"reference": "cached"}, 0),
+        ("kto", {}, 0),
+        ("dpo", {"reference": "live"}, 4 * TINY_PARAMS),
+        ("kto", {"reference": "live"}, 4 * TINY_PARAMS),
+        ("sft", {}, 0),
+        ("rm", {}, 0),
+    ],
+)
+def test_offline_kinds_count_a_reference_model_only_when_it_stays_loaded(
+    tmp_path, kind, settings, reference_bytes
+):
+    from tests.unit.test_offline_plan_checks import offline_config
+
+    plan = build_plan(offline_config(tmp_path, kind, **settings), hardware=LAPTOP)
+    assert plan.model.num_parameters == TINY_PARAMS == 106_816
+    (estimate,) = plan.memory
+    items = estimate.items
+    assert items.get("reference_weights", 0) == reference_bytes
+    # float32 weights and gradients, AdamW's two float32 moments, the runtime's allowance.
+    assert items["weights"] == items["gradients"] == 4 * TINY_PARAMS == 427_264
+    assert items["optimizer"] == 8 * TINY_PARAMS
+    expected = 16 * TINY_PARAMS + reference_bytes + items["activations"] + GIB
+    assert estimate.total_bytes == expected
+
+
+@pytest.mark.parametrize(("kl_coef", "reference_bytes"), [(0.0, 0), (0.05, 4 * TINY_PARAMS)])
+def test_online_kinds_count_the_reference_model_of_their_kl_term(
+    config_file, base_config, kl_coef, reference_bytes
+):
+    base_config["algorithm"]["kl_coef"] = kl_coef
+    items = plan_of(config_file, base_config).memory[0].items
+    assert items.get("reference_weights", 0) == reference_bytes
+
+
+def test_explain_says_where_the_reference_comes_from(tmp_path):
+    from tests.unit.test_offline_plan_checks import offline_config
+
+    def shown(**settings) -> str:
+        console = Console(width=200, record=True)
+        explain(build_plan(offline_config(tmp_path, "dpo", **settings), hardware=LAPTOP), console)
+        return console.export_text()
+
+    cached = shown()
+    assert "reference weights" not in cached
+    assert "computed once before step 1 by the policy itself" in cached
+    assert "no reference model is held" in cached
+    live = shown(reference="live")
+    assert "reference weights" in live and "0.4 MiB" in live  # 4 x 106_816 bytes
+    assert "a frozen copy of the initial policy, loaded through training" in live
