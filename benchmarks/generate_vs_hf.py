@@ -61,7 +61,7 @@ def load() -> Any:
     from transformers.utils import logging as transformers_logging
 
     from rollout.config.model import ModelSection
-    from rollout.plan.inspect_model import inspect_model
+    from rollout.planner.inspect_model import inspect_model
     from rollout.runtime.models import load_model
 
     transformers_logging.disable_progress_bar()

@@ -116,7 +116,7 @@ def dense_model_dir(model: dict[str, Any]) -> Path:
     Built here (once, cached) so that neither side's timing pays for the build.
     """
     from rollout.config.model import ModelSection
-    from rollout.plan.inspect_model import inspect_model
+    from rollout.planner.inspect_model import inspect_model
     from rollout.runtime.models import dense_gguf_dir
 
     facts = inspect_model(ModelSection(**model), base_dir=EXAMPLE.parent)
@@ -189,7 +189,7 @@ def run_rollout(job: Job, workdir: Path, log: Path) -> Side:
     print("rollout:", " ".join(command), flush=True)
     process = run_measured(command, log)
 
-    from rollout.plan.definition import Plan
+    from rollout.planner.definition import Plan
 
     (plan_path,) = (workdir / "rollout-runs").glob("*/plan.lock")
     series = read_rollout_metrics(Plan.from_file(str(plan_path), check_fresh=False))

@@ -124,7 +124,7 @@ def mean_tokens(job: Job) -> float:
     """Tokens of a sequence as rollout forms it (prompt + completion + end of turn)."""
     from transformers import AutoTokenizer
 
-    from rollout.plan.samples import SampleRules
+    from rollout.planner.samples import SampleRules
     from rollout.runtime.offline_data import HfTextTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(job.model_dir)
@@ -186,7 +186,7 @@ def run_rollout(job: Job, workdir: Path, log: Path) -> Side:
     print("rollout:", " ".join(command), flush=True)
     process = run_measured(command, log)
 
-    from rollout.plan.definition import Plan
+    from rollout.planner.definition import Plan
     from rollout.storage import open_store
 
     (plan_path,) = (workdir / "runs").glob(f"bench-{job.kind}-*/plan.lock")

@@ -34,12 +34,12 @@ def _version() -> str:
 __version__ = _version()
 
 if TYPE_CHECKING:
-    from rollout.plan import Plan
+    from rollout.planner import Plan
 
 
 def plan(config: str | Any, **kwargs: Any) -> Plan:
-    """Plan a config file (or a RunConfig). See rollout.plan.builder.build_plan."""
-    from rollout.plan.builder import build_plan
+    """Plan a config file (or a RunConfig). See rollout.planner.builder.build_plan."""
+    from rollout.planner.builder import build_plan
 
     return build_plan(config, **kwargs)
 
@@ -57,7 +57,7 @@ def run(plan: str | Any) -> Any:
 
 def __getattr__(name: str) -> Any:
     if name == "Plan":  # lazy: importing rollout stays cheap for `rollout validate`
-        from rollout.plan import Plan
+        from rollout.planner import Plan
 
         return Plan
     raise AttributeError(name)

@@ -11,7 +11,7 @@ import typer
 from rollout.cli.app import app
 from rollout.cli.options import Format, FormatOption, SetOption
 from rollout.cli.render import stderr, stdout, user_errors
-from rollout.plan.memory import gib
+from rollout.planner.memory import gib
 
 plan_app = typer.Typer(
     invoke_without_command=True,
@@ -47,7 +47,7 @@ def plan(
             "[bold red]error[/]: missing --config FILE (or use `rollout plan show plan.lock`)"
         )
         raise typer.Exit(2)
-    from rollout.plan.builder import build_plan
+    from rollout.planner.builder import build_plan
 
     with user_errors(fmt.value):
         the_plan = build_plan(config, overrides=set_ or [])
@@ -60,7 +60,7 @@ def plan(
         )
         return
     if explain:
-        from rollout.plan.explain import explain as render
+        from rollout.planner.explain import explain as render
 
         render(the_plan, stdout)
     used = sum(e.total_bytes for e in the_plan.memory)
@@ -78,8 +78,8 @@ def show(
     path: Annotated[Path, typer.Argument(help="A plan.lock file.")] = Path("plan.lock"),
 ) -> None:
     """Explain a plan.lock: roles, placement, memory, plugins, versions."""
-    from rollout.plan.definition import Plan
-    from rollout.plan.explain import explain as render
+    from rollout.planner.definition import Plan
+    from rollout.planner.explain import explain as render
 
     with user_errors():
         the_plan = Plan.from_file(str(path), check_fresh=False)

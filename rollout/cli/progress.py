@@ -7,7 +7,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from rollout.executor.launch import Progress as RunProgress
-from rollout.plan.definition import Plan
+from rollout.planner.definition import Plan
 from rollout.storage.base import RunRecord, RunStore
 
 # Online runs show their reward, offline runs (DPO, SFT, reward models, ...) their loss and, where

@@ -71,7 +71,7 @@ def _plan_path(plan: Path | None, config: Path | None, overrides: list[str]) -> 
         )
     if plan is not None:
         return plan
-    from rollout.plan.builder import build_plan
+    from rollout.planner.builder import build_plan
 
     the_plan = build_plan(config, overrides=overrides)
     path = Path(the_plan.derived.run_dir) / "plan.lock"
@@ -81,6 +81,6 @@ def _plan_path(plan: Path | None, config: Path | None, overrides: list[str]) -> 
 
 
 def _store_of(plan_path: Path) -> str:
-    from rollout.plan.definition import Plan
+    from rollout.planner.definition import Plan
 
     return Plan.from_file(str(plan_path), check_fresh=False).derived.store

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from rollout.errors import Issue, RolloutError
 from rollout.executor.preflight import verify_plan
-from rollout.plan.definition import Plan
+from rollout.planner.definition import Plan
 from rollout.storage import open_store
 from rollout.storage.base import RunRecord, RunStore
 

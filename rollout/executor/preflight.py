@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rollout.plan.definition import Plan
+from rollout.planner.definition import Plan
 
 
 def verify_plan(path: str | Path) -> Plan:

@@ -48,7 +48,7 @@ class ModelReward:
     def __init__(self, directory: str | Path, *, device: str = "cpu", batch_size: int = 16):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        from rollout.plan.samples import SampleRules
+        from rollout.planner.samples import SampleRules
         from rollout.runtime.offline_data import HfTextTokenizer
 
         self.directory = Path(directory)

@@ -36,8 +36,8 @@ from rollout.errors import ConfigError, Issue, RolloutError
 from rollout.inference.models import ModelChoice, choose_model
 from rollout.inference.output import OutputFile, finished_output, open_output
 from rollout.inference.prompts import PromptFile, file_format, prompt_kind, read_prompts
-from rollout.plan.builder import derive_seed
-from rollout.plan.fingerprint import is_url
+from rollout.planner.builder import derive_seed
+from rollout.planner.fingerprint import is_url
 
 DEFAULT_BATCH_SIZE = {"hf": 32, "vllm": 256}
 """Completions decoded at once when neither --batch-size nor generation.max_batch_size says.

@@ -35,9 +35,9 @@ from rollout.config.root import RunConfig
 from rollout.config.rules import model_source_is_one
 from rollout.config.validate import translate_errors
 from rollout.errors import ConfigError, Issue, PlanError, RolloutError
-from rollout.plan.definition import ModelFacts, Plan
-from rollout.plan.fingerprint import is_url
-from rollout.plan.inspect_model import inspect_model
+from rollout.planner.definition import ModelFacts, Plan
+from rollout.planner.fingerprint import is_url
+from rollout.planner.inspect_model import inspect_model
 
 PLAN_FILE = "plan.lock"
 _COMPLETE = "COMPLETE"  # rollout.runtime.checkpoint.COMPLETE: the marker of a finished save

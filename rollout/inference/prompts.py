@@ -14,9 +14,9 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from rollout.errors import Issue, RolloutError
-from rollout.plan import locations
-from rollout.plan.fingerprint import sha256_file
-from rollout.plan.inspect_data import scan_jsonl, scan_parquet
+from rollout.planner import locations
+from rollout.planner.fingerprint import sha256_file
+from rollout.planner.inspect_data import scan_jsonl, scan_parquet
 
 MAX_LISTED = 10
 

@@ -29,8 +29,8 @@ from types import ModuleType, TracebackType
 from typing import Any
 
 from rollout.errors import Issue, PlanError
-from rollout.plan.definition import PluginIdentity
-from rollout.plan.fingerprint import sha256_bytes, sha256_file
+from rollout.planner.definition import PluginIdentity
+from rollout.planner.fingerprint import sha256_bytes, sha256_file
 
 _FILE_REF = re.compile(r"^(?P<file>[^:]+\.py):(?P<attr>[A-Za-z_][A-Za-z0-9_.]*)$")
 _MODULE_REF = re.compile(r"^(?P<module>[A-Za-z_][\w.]*):(?P<attr>[A-Za-z_][A-Za-z0-9_.]*)$")

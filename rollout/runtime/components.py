@@ -10,8 +10,8 @@ import torch
 
 from rollout.harness.reward_runner import RewardFunction, describe
 from rollout.harness.rewards import BUILTIN_REWARDS
-from rollout.plan.definition import Plan
-from rollout.plan.reward_model import model_directory_of
+from rollout.planner.definition import Plan
+from rollout.planner.reward_model import model_directory_of
 from rollout.plugins.resolve import resolve_plugin
 from rollout.runtime.data import PromptStream, load_records
 

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from rollout.plan.inspect_data import scan_jsonl, scan_parquet
+from rollout.planner.inspect_data import scan_jsonl, scan_parquet
 
 Record = dict[str, Any]
 

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
 from rollout.cache import built_once
 from rollout.config.model import ModelSection
-from rollout.plan.definition import ModelFacts
+from rollout.planner.definition import ModelFacts
 
 
 @dataclass

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from rollout.harness.model_reward import SAMPLE_FORMAT_KEY
-from rollout.plan.builder import derive_seed
+from rollout.planner.builder import derive_seed
 from rollout.runtime.components import build_optimizer, build_scheduler
 from rollout.runtime.data import PromptStream
 from rollout.runtime.models import LoadedModel, load_model

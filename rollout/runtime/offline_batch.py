@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout.algorithms.sft import IGNORE
-from rollout.plan.samples import Demonstration
+from rollout.planner.samples import Demonstration
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The offline objectives' data inside a worker: every record of each split, tokenized once.
 
 Records come from the planned files through the planner's own readers (rollout.runtime.data), and
-become samples by the planner's rules (rollout.plan.samples) with the model's transformers
+become samples by the planner's rules (rollout.planner.samples) with the model's transformers
 tokenizer, so the lengths `rollout plan` checked are the lengths trained on. A sample's position
 in its split is its record index, the key of the reference log-prob cache and of the data cursor.
 """
@@ -12,19 +12,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rollout.plan.inspect_samples import sample_rules
-from rollout.plan.samples import Demonstration, Judged, Pair, SampleError, SampleRules
+from rollout.planner.inspect_samples import sample_rules
+from rollout.planner.samples import Demonstration, Judged, Pair, SampleError, SampleRules
 from rollout.runtime.data import load_records
 from rollout.runtime.models import LoadedModel
 
 if TYPE_CHECKING:
-    from rollout.plan.definition import Plan
+    from rollout.planner.definition import Plan
 
 Sample = Pair | Judged | Demonstration
 
 
 class HfTextTokenizer:
-    """A transformers tokenizer behind rollout.plan.samples.TextTokenizer."""
+    """A transformers tokenizer behind rollout.planner.samples.TextTokenizer."""
 
     def __init__(self, tokenizer: Any, chat_template: str | None, eos_token_id: int):
         self._tokenizer = tokenizer

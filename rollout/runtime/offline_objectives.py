@@ -29,7 +29,7 @@ from rollout.algorithms.preference import (
 from rollout.algorithms.reward_model import bradley_terry_loss
 from rollout.algorithms.sft import IGNORE, sft_loss
 from rollout.harness.model_reward import reward_scores
-from rollout.plan.samples import Demonstration, Judged, Pair
+from rollout.planner.samples import Demonstration, Judged, Pair
 from rollout.runtime.offline_batch import (
     CompletionBatch,
     TokenBatch,

@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from rollout.runtime.transport import all_gather_json
 
 if TYPE_CHECKING:
-    from rollout.plan.definition import Plan
+    from rollout.planner.definition import Plan
 
 log = logging.getLogger("rollout.reference")
 

@@ -23,7 +23,7 @@ from rollout.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from rollout.engines.base import Engine, SamplingParams
 from rollout.engines.hf import HfEngine
 from rollout.harness.reward_runner import RewardRunner
-from rollout.plan.builder import derive_seed
+from rollout.planner.builder import derive_seed
 from rollout.runtime.actor import Actor, PromptFormat
 from rollout.runtime.checkpoint import Extra
 from rollout.runtime.components import (

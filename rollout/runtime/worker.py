@@ -21,7 +21,7 @@ from threading import Event
 from typing import TYPE_CHECKING
 
 from rollout.config.algorithm import OFFLINE_KINDS
-from rollout.plan.definition import Plan
+from rollout.planner.definition import Plan
 
 if TYPE_CHECKING:
     from rollout.storage.writer import BackgroundWriter

@@ -189,7 +189,7 @@ def load_served(
     """Load the model and start an EngineService: (ServedModel, the service)."""
     from rollout.engines.hf import HfEngine
     from rollout.engines.service import EngineService
-    from rollout.plan.inspect_model import inspect_model
+    from rollout.planner.inspect_model import inspect_model
     from rollout.runtime.models import load_model
     from rollout.serve.server import ServedModel
 

@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from rollout.plan.definition import HardwareFacts, Plan
+from rollout.planner.definition import HardwareFacts, Plan
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_CONFIG = REPO / "examples" / "grpo-tiny.toml"
@@ -30,7 +30,7 @@ REFERENCE_HARDWARE = HardwareFacts(
 
 
 def example_plan() -> Plan:
-    from rollout.plan.builder import build_plan
+    from rollout.planner.builder import build_plan
 
     plan = build_plan(
         EXAMPLE_CONFIG,

@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from rollout.plan.definition import Plan
+from rollout.planner.definition import Plan
 from rollout.storage import open_store
 from rollout.testing.tiny_build import build_tiny
 from tests.conftest import EXAMPLES

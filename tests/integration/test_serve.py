@@ -50,7 +50,7 @@ def model_cache(tmp_path_factory) -> Iterator[Path]:
 def tiny(model_cache):
     """The model as the server loads it, for expected token ids."""
     from rollout.config.model import ModelSection
-    from rollout.plan.inspect_model import inspect_model
+    from rollout.planner.inspect_model import inspect_model
     from rollout.runtime.models import load_model
 
     section = ModelSection(builtin=MODEL)

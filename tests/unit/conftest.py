@@ -25,7 +25,7 @@ def rollout_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 def _load(section, *, dtype: str = "float32"):
-    from rollout.plan.inspect_model import inspect_model
+    from rollout.planner.inspect_model import inspect_model
     from rollout.runtime.models import load_model
 
     facts = inspect_model(section, base_dir=Path.cwd())

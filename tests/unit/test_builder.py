@@ -7,8 +7,8 @@ import json
 import pytest
 
 from rollout import PlanError
-from rollout.plan.builder import build_plan, derive_seed
-from rollout.plan.definition import GpuFacts, HardwareFacts
+from rollout.planner.builder import build_plan, derive_seed
+from rollout.planner.definition import GpuFacts, HardwareFacts
 
 GIB = 1024**3
 LAPTOP = HardwareFacts(

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from rollout.plan import gguf as gguf_module
-from rollout.plan.gguf import (
+from rollout.planner import gguf as gguf_module
+from rollout.planner.gguf import (
     KEEP_ARRAY_ITEMS,
     GGUFArray,
     TensorInfo,

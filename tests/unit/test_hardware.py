@@ -6,8 +6,8 @@ import subprocess
 
 import pytest
 
-from rollout.plan import hardware
-from rollout.plan.definition import GpuFacts
+from rollout.planner import hardware
+from rollout.planner.definition import GpuFacts
 
 MIB = 1 << 20
 
@@ -79,14 +79,14 @@ def test_no_nvidia_smi_means_no_gpus(monkeypatch):
 
 
 def test_cgroup_limit_parsing():
-    from rollout.plan.hardware import parse_cgroup_limit
+    from rollout.planner.hardware import parse_cgroup_limit
 
     assert parse_cgroup_limit("max\n") is None
     assert parse_cgroup_limit("2147483648\n") == 2 * 1024**3
 
 
 def test_a_container_limit_caps_memory(tmp_path, monkeypatch):
-    from rollout.plan import hardware
+    from rollout.planner import hardware
 
     limit = tmp_path / "memory.max"
     limit.write_text("1073741824\n")

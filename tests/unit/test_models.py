@@ -14,7 +14,7 @@ import torch
 from rollout.config.model import ModelSection
 from rollout.engines.base import SamplingParams
 from rollout.engines.hf import HfEngine
-from rollout.plan.inspect_model import inspect_model
+from rollout.planner.inspect_model import inspect_model
 from rollout.runtime.models import apply_chat_template, load_model
 from rollout.testing import tiny
 from rollout.testing.tiny_build import build_tiny

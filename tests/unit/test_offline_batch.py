@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rollout.algorithms.sft import IGNORE, sft_loss
-from rollout.plan.samples import Demonstration
+from rollout.planner.samples import Demonstration
 from rollout.runtime.offline_batch import pack_sequences, pad_completions, pad_sequences
 from rollout.runtime.offline_objectives import sequence_sums
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rollout.config.algorithm import DpoConfig, IpoConfig, KtoConfig, RmConfig, SftConfig
-from rollout.plan.samples import SampleRules
+from rollout.planner.samples import SampleRules
 from rollout.runtime.offline import CachedReference, LiveReference
 from rollout.runtime.offline_data import HfTextTokenizer, encode_split
 from rollout.runtime.offline_objectives import (

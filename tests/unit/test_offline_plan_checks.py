@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from rollout.cli.app import app
 from rollout.errors import PlanError
-from rollout.plan.builder import build_plan
+from rollout.planner.builder import build_plan
 from tests.conftest import write_toml
 
 PAIRS = [

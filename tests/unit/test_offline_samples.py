@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from rollout.config.model import ModelSection
-from rollout.plan.inspect_model import inspect_model
-from rollout.plan.samples import SampleError, SampleRules
-from rollout.plan.tokenizer import load
+from rollout.planner.inspect_model import inspect_model
+from rollout.planner.samples import SampleError, SampleRules
+from rollout.planner.tokenizer import load
 from rollout.runtime.offline_data import HfTextTokenizer, encode_split
 from rollout.testing import tiny
 

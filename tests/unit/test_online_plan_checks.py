@@ -17,9 +17,9 @@ from typer.testing import CliRunner
 from rollout.cli.app import app
 from rollout.config.model import ModelSection
 from rollout.errors import PlanError
-from rollout.plan.builder import build_plan
-from rollout.plan.inspect_model import inspect_model
-from rollout.plan.tokenizer import dense_gguf_directory, load
+from rollout.planner.builder import build_plan
+from rollout.planner.inspect_model import inspect_model
+from rollout.planner.tokenizer import dense_gguf_directory, load
 from tests.conftest import TRAIN_RECORDS, write_toml
 
 LONG = "What is the sum of these numbers: " + " + ".join(str(i) for i in range(40)) + "?"
@@ -84,7 +84,7 @@ def with_long_prompt(at: int, prompt: str = LONG) -> list[dict[str, Any]]:
 
 
 def planner_length(prompt: str, *, system_prompt: str | None = None, chat: bool = True) -> int:
-    from rollout.plan.samples import SampleRules
+    from rollout.planner.samples import SampleRules
 
     section = ModelSection(builtin="tiny-llama")
     tokenizer = load(inspect_model(section, base_dir=Path.cwd()), section, base_dir=Path.cwd())

@@ -11,11 +11,11 @@ from rich.console import Console
 
 from rollout import PlanError
 from rollout.config.model import ModelSection
-from rollout.plan.builder import build_plan
-from rollout.plan.definition import GpuFacts, HardwareFacts
-from rollout.plan.explain import explain
-from rollout.plan.inspect_model import inspect_model
-from rollout.plan.memory import (
+from rollout.planner.builder import build_plan
+from rollout.planner.definition import GpuFacts, HardwareFacts
+from rollout.planner.explain import explain
+from rollout.planner.inspect_model import inspect_model
+from rollout.planner.memory import (
     GIB,
     generation_shape,
     kv_bytes_per_token,
@@ -191,7 +191,7 @@ def test_kv_bytes_per_token_matches_what_the_model_caches(tiny_llama):
 def test_packed_weight_rule_mirrors_the_hf_engine(tiny_llama):
     """The planner's copy of the engine's packing rule: same constants, same bytes."""
     from rollout.engines import hf
-    from rollout.plan import memory
+    from rollout.planner import memory
 
     assert memory.PACK_MIN_NEW_TOKENS == hf.PACK_MIN_NEW_TOKENS
     assert memory.PACK_MAX_BYTES == hf.PACK_MAX_BYTES

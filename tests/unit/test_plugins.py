@@ -16,7 +16,7 @@ import pytest
 
 from rollout.errors import PlanError
 from rollout.harness.rewards import BUILTIN_REWARDS, numeric_match, regex_match
-from rollout.plan.fingerprint import sha256_file
+from rollout.planner.fingerprint import sha256_file
 from rollout.plugins import (
     ResolvedPlugin,
     check_reward_signature,

@@ -22,15 +22,15 @@ ALLOWED = {
     "config": {"config", "errors"},
     "schema": {"config", "errors", "schema"},
     # cache: the planner reads a GGUF model's tokenizer from the worker's dequantized copy.
-    "plan": {"config", "plugins", "errors", "plan", "testing", "harness", "cache", "__init__"},
-    "plugins": {"plugins", "errors", "plan", "__init__"},
+    "planner": {"config", "plugins", "errors", "planner", "testing", "harness", "cache", "__init__"},
+    "plugins": {"plugins", "errors", "planner", "__init__"},
     "storage": {"storage", "config", "errors"},
-    "executor": {"executor", "plan", "storage", "config", "errors"},
+    "executor": {"executor", "planner", "storage", "config", "errors"},
     "algorithms": {"algorithms"},
     "cli": {
         "cli",
         "config",
-        "plan",
+        "planner",
         "executor",
         "storage",
         "schema",
@@ -43,7 +43,7 @@ ALLOWED = {
     "inference": {
         "inference",
         "config",
-        "plan",
+        "planner",
         "engines",
         "runtime",
         "storage",
@@ -56,7 +56,7 @@ ALLOWED["serve"] = {
     "serve",
     "engines",
     "config",
-    "plan",
+    "planner",
     "runtime",
     "storage",
     "errors",
@@ -64,7 +64,7 @@ ALLOWED["serve"] = {
 }
 FORBIDDEN_THIRD_PARTY = {
     "config": {"torch", "transformers", "typer", "rich"},
-    "plan": {"torch", "transformers", "gguf", "vllm"},
+    "planner": {"torch", "transformers", "gguf", "vllm"},
     "schema": {"torch", "transformers"},
 }
 

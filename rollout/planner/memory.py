@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from rollout.config.algorithm import ONLINE_KINDS, REFERENCE_KINDS
 from rollout.config.root import RunConfig
 from rollout.errors import Issue, PlanError
-from rollout.plan.definition import (
+from rollout.planner.definition import (
     DataFacts,
     Derived,
     Graph,

@@ -1,5 +1,5 @@
 """The compiler: config -> frozen Plan -> plan.lock."""
 
-from rollout.plan.definition import FORMAT_VERSION, Plan
+from rollout.planner.definition import FORMAT_VERSION, Plan
 
 __all__ = ["FORMAT_VERSION", "Plan"]

@@ -23,7 +23,7 @@ from rollout.config.algorithm import ONLINE_KINDS, PAIRED_PREFERENCE_KINDS
 from rollout.config.root import RunConfig
 from rollout.config.rules import needed_fields
 from rollout.errors import Issue, PlanError, RolloutError
-from rollout.plan.definition import (
+from rollout.planner.definition import (
     DataFacts,
     Derived,
     Graph,
@@ -34,19 +34,19 @@ from rollout.plan.definition import (
     Seeds,
     Versions,
 )
-from rollout.plan.fingerprint import sha256_file
-from rollout.plan.hardware import probe_hardware
-from rollout.plan.inspect_data import inspect_data
-from rollout.plan.inspect_model import inspect_model
-from rollout.plan.inspect_samples import record_check
-from rollout.plan.memory import (
+from rollout.planner.fingerprint import sha256_file
+from rollout.planner.hardware import probe_hardware
+from rollout.planner.inspect_data import inspect_data
+from rollout.planner.inspect_model import inspect_model
+from rollout.planner.inspect_samples import record_check
+from rollout.planner.memory import (
     check_fits,
     estimate_memory,
     generation_shape,
     vllm_share_issues,
 )
-from rollout.plan.placement import build_graph
-from rollout.plan.reward_model import resolve_reward_model
+from rollout.planner.placement import build_graph
+from rollout.planner.reward_model import resolve_reward_model
 from rollout.plugins.resolve import installed_version
 
 T = TypeVar("T")

@@ -23,10 +23,10 @@ from typing import Any
 
 from rollout.cache import cache_root
 from rollout.config.model import ModelSection
-from rollout.plan import locations
-from rollout.plan.definition import ModelFacts
-from rollout.plan.fingerprint import is_url
-from rollout.plan.gguf import read_gguf_header
+from rollout.planner import locations
+from rollout.planner.definition import ModelFacts
+from rollout.planner.fingerprint import is_url
+from rollout.planner.gguf import read_gguf_header
 
 _SPECIAL_TOKENS = (
     "bos_token",
@@ -40,7 +40,7 @@ _SPECIAL_TOKENS = (
 
 
 class PlanTokenizer:
-    """encode / chat / eos_token_id, as rollout.plan.samples.TextTokenizer asks."""
+    """encode / chat / eos_token_id, as rollout.planner.samples.TextTokenizer asks."""
 
     def __init__(
         self,

@@ -3,7 +3,7 @@
 Every JSONL line is parsed; for Parquet the schema and row count come from the file's metadata and
 only the columns the run needs are read. Each record must hold every required field, not null, and
 a preference pair must not compare a completion with itself. A caller may add its own check of
-each complete record (the offline objectives tokenize it: rollout.plan.inspect_samples). Problems
+each complete record (the offline objectives tokenize it: rollout.planner.inspect_samples). Problems
 become Issues naming the file, the record (and line) and the field; at most MAX_ISSUES_PER_FILE
 record-level problems are listed, then a count of the rest. Records longer than a limit make one
 Issue per file and limit, at the longest of them, with how many there are.
@@ -20,10 +20,10 @@ from urllib.parse import urlsplit
 
 from rollout.config.data import DataSource
 from rollout.errors import Issue, PlanError
-from rollout.plan import locations
-from rollout.plan.definition import DataFacts
-from rollout.plan.fingerprint import open_binary, sha256_file
-from rollout.plan.inspect_samples import RecordProblem
+from rollout.planner import locations
+from rollout.planner.definition import DataFacts
+from rollout.planner.fingerprint import open_binary, sha256_file
+from rollout.planner.inspect_samples import RecordProblem
 
 MAX_ISSUES_PER_FILE = 10
 

@@ -11,7 +11,7 @@ import platform
 import shutil
 import subprocess
 
-from rollout.plan.definition import GpuFacts, HardwareFacts
+from rollout.planner.definition import GpuFacts, HardwareFacts
 
 NVIDIA_SMI_QUERY = ["--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"]
 NVIDIA_SMI_TIMEOUT_S = 10

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from rollout.config.root import RunConfig
 from rollout.config.rules import roles_for
-from rollout.plan.definition import Edge, Graph, ProcessSpec, RoleSpec
+from rollout.planner.definition import Edge, Graph, ProcessSpec, RoleSpec
 
 ROLE_ORDER = ("actor", "reward", "reference", "critic", "learner")
 

@@ -193,12 +193,12 @@ class Plan(Frozen):
     @classmethod
     def from_file(cls, path: str, *, check_fresh: bool = True) -> Plan:
         """Read plan.lock, refusing one that was edited, is stale, or has an unknown format."""
-        from rollout.plan.lockfile import read_plan
+        from rollout.planner.lockfile import read_plan
 
         return read_plan(path, check_fresh=check_fresh)
 
     def write(self, path: str) -> None:
         """Write this plan as canonical JSON with its sha256 (atomically)."""
-        from rollout.plan.lockfile import write_plan
+        from rollout.planner.lockfile import write_plan
 
         write_plan(self, path)

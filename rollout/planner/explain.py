@@ -8,8 +8,8 @@ from rich.table import Table
 from rich.text import Text
 
 from rollout.config.algorithm import ONLINE_KINDS, REFERENCE_KINDS
-from rollout.plan.definition import Plan
-from rollout.plan.memory import (
+from rollout.planner.definition import Plan
+from rollout.planner.memory import (
     BYTES_PER_PARAM,
     GenerationShape,
     generation_shape,

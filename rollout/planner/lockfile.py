@@ -23,8 +23,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from rollout.errors import Issue, LockfileError
-from rollout.plan.definition import FORMAT_VERSION, Plan, Versions
-from rollout.plan.fingerprint import is_url, sha256_bytes, sha256_file
+from rollout.planner.definition import FORMAT_VERSION, Plan, Versions
+from rollout.planner.fingerprint import is_url, sha256_bytes, sha256_file
 from rollout.plugins.resolve import VersionLookup, installed_version, plugin_changes, short_hash
 
 FORMAT = "rollout.plan"
