@@ -12,6 +12,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from rollout.redact import redact_text, redact_value
+
 USER_ERROR_EXIT_CODE = 2
 
 _MISSING = object()
@@ -32,6 +34,16 @@ class Issue:
     message: str
     value: Any = _MISSING
     hint: str | None = None
+
+    def __post_init__(self) -> None:
+        # Every user-facing error is built from Issues: redacting here keeps a credential that
+        # reached a path, message, value or hint out of every command's output at once.
+        for name in ("path", "message", "hint"):
+            text = getattr(self, name)
+            if isinstance(text, str):
+                object.__setattr__(self, name, redact_text(text))
+        if self.value is not _MISSING:
+            object.__setattr__(self, "value", redact_value(self.value))
 
     @property
     def has_value(self) -> bool:
@@ -68,7 +80,7 @@ class RolloutError(Exception):
         elif isinstance(issues, Issue):
             issues = [issues]
         self.issues: list[Issue] = list(issues)
-        self.source = source
+        self.source = redact_text(source) if source else source
         super().__init__(self._summary())
 
     def _summary(self) -> str:

@@ -14,6 +14,8 @@ from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, Field
 
+from rollout.redact import redact_text
+
 _ENV_REF = re.compile(r"^env:[A-Za-z_][A-Za-z0-9_]*$")
 _FILE_REF = re.compile(r"^file:.+$")
 
@@ -56,10 +58,5 @@ Location = Annotated[str, AfterValidator(check_no_inline_credentials)]
 
 
 def redact(value: str) -> str:
-    """Return ``value`` with any URL password replaced by ``***`` (for logs and messages)."""
-    if "://" not in value:
-        return value
-    parts = urlsplit(value)
-    if not parts.password:
-        return value
-    return value.replace(f":{parts.password}@", ":***@", 1)
+    """Return ``value`` with any credential in it replaced by ``***`` (for logs and messages)."""
+    return redact_text(value)
