@@ -1,7 +1,16 @@
-"""Read a config file (TOML, YAML or JSON by extension) and apply ``--set`` overrides."""
+"""Read a config file (TOML, YAML or JSON by extension) and apply ``--set`` overrides.
+
+Whatever the file holds, reading it ends in data or in a ConfigError, never a traceback or a
+hang: only a regular file is read, at most MAX_CONFIG_BYTES of it (rollout/files.py), and what the
+parsers themselves cannot take (nesting past the recursion limit, an integer past Python's digit
+limit, an impossible YAML date) becomes an Issue at its line.
+"""
 
 from __future__ import annotations
 
+import copy
+import datetime
+import functools
 import json
 import re
 import sys
@@ -9,9 +18,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from rollout.config.plain import MAX_DEPTH, check_plain
 from rollout.config.root import RunConfig
 from rollout.config.validate import validate_config
 from rollout.errors import ConfigError, Issue
+from rollout.files import FileRefused, FileTooLarge, read_capped
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -20,17 +31,27 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 SUFFIXES = {".toml": "toml", ".yaml": "yaml", ".yml": "yaml", ".json": "json"}
 
+# A config is a few KiB; this is far past any real one, and still parses in seconds.
+MAX_CONFIG_BYTES = 1 << 20
+
 
 def load_config(path: str | Path, overrides: Iterable[str] = ()) -> RunConfig:
     """Read, override and validate a config file. Raises ConfigError listing every problem."""
-    raw = read_config_file(path)
+    # validate_config checks the values, so their problems are listed with every other problem.
+    raw = read_config_file(path, check_values=False)
     raw = apply_overrides(raw, overrides, source=str(path))
     return validate_config(raw, source=str(path))
 
 
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
+def read_config_file(path: str | Path, *, check_values: bool = True) -> dict[str, Any]:
+    """The file's table of sections. Its shape is always checked (depth, size, cycles); its values
+    (no dates, no NUL, 64-bit integers: config/plain.py) too unless ``check_values`` is False."""
     source = str(path)
+    if "\0" in source:
+        raise ConfigError(
+            Issue(repr(source), "the config path holds a NUL character (\\x00)"), source=None
+        )
+    path = Path(path)
     kind = SUFFIXES.get(path.suffix.lower())
     if kind is None:
         raise ConfigError(
@@ -42,15 +63,17 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             source=source,
         )
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_capped(path, limit=MAX_CONFIG_BYTES, what="a config file").decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(
             Issue(source, "no such file", hint=_nearby_files(path)), source=source
         ) from None
-    except IsADirectoryError:
-        raise ConfigError(
-            Issue(source, "is a directory, not a config file"), source=source
-        ) from None
+    except FileTooLarge as exc:
+        hint = "a config holds settings; data goes in its own file, named by data.train.path"
+        raise ConfigError(Issue(source, exc.reason, hint=hint), source=source) from None
+    except FileRefused as exc:
+        hint = "pass the path of a .toml, .yaml or .json file"
+        raise ConfigError(Issue(source, exc.reason, hint=hint), source=source) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(Issue(source, f"cannot read: {exc}"), source=source) from None
     data = _parse(text, kind, source)
@@ -59,36 +82,112 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             Issue(source, f"the file must hold a table of sections, not a {type(data).__name__}"),
             source=source,
         )
+    plain = check_plain(data)
+    if plain.shape or (check_values and plain.issues):
+        raise ConfigError(plain.issues, source=source)
     return data
 
 
 def _parse(text: str, kind: str, source: str) -> Any:
-    if kind == "toml":
-        try:
+    language = kind.upper()
+    try:
+        if kind == "toml":
             return tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(_syntax_issue(source, "TOML", str(exc)), source=source) from None
-    if kind == "json":
-        try:
+        if kind == "json":
             return json.loads(text)
-        except json.JSONDecodeError as exc:
-            issue = Issue(
-                f"{source}:{exc.lineno}:{exc.colno}",
-                f"JSON syntax error at line {exc.lineno}, column {exc.colno}: {exc.msg}",
-            )
-            raise ConfigError(issue, source=source) from None
+        return _parse_yaml(text)
+    except RecursionError:
+        where, at = _position(text, _too_deep(text), source)
+        message = f"{language} is nested too deeply{at}: a config nests at most {MAX_DEPTH} levels"
+        raise ConfigError(Issue(where, message), source=source) from None
+    except ValueError as exc:
+        raise ConfigError(_parse_issue(exc, text, language, source), source=source) from None
+
+
+def _parse_issue(exc: ValueError, text: str, language: str, source: str) -> Issue:
+    if isinstance(exc, json.JSONDecodeError):
+        return Issue(
+            f"{source}:{exc.lineno}:{exc.colno}",
+            f"{language} syntax error at line {exc.lineno}, column {exc.colno}: {exc.msg}",
+        )
+    if _DIGIT_LIMIT_TEXT in str(exc):
+        match = _LONG_NUMBER.search(text)
+        where, at = _position(text, match.start() if match else None, source)
+        return Issue(
+            where,
+            f"{language} holds a number with more than {_DIGIT_LIMIT} digits{at}",
+            hint=f"a config integer fits in 64 bits (at most {2**63 - 1:,})",
+        )
+    return _syntax_issue(source, language, str(exc))
+
+
+_DIGIT_LIMIT = getattr(sys, "get_int_max_str_digits", lambda: 4300)() or 4300
+_DIGIT_LIMIT_TEXT = "Exceeds the limit"  # CPython's message for an int past the digit limit
+_LONG_NUMBER = re.compile(rf"[0-9][0-9_]{{{_DIGIT_LIMIT},}}")
+
+
+def _too_deep(text: str) -> int | None:
+    """Offset of the first bracket nested deeper than MAX_DEPTH (quotes not considered: it only
+    points the user at a place), or None."""
+    depth = 0
+    for offset, char in enumerate(text):
+        if char in "[{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                return offset
+        elif char in "]}":
+            depth -= 1
+    return None
+
+
+def _position(text: str, offset: int | None, source: str) -> tuple[str, str]:
+    """(issue path, " at line L, column C") for an offset in ``text``; the bare source if None."""
+    if offset is None:
+        return source, ""
+    line = text.count("\n", 0, offset) + 1
+    column = offset - (text.rfind("\n", 0, offset) + 1) + 1
+    return f"{source}:{line}:{column}", f" at line {line}, column {column}"
+
+
+def _parse_yaml(text: str) -> Any:
     import yaml  # only YAML configs pay for the import
 
     try:
-        return yaml.safe_load(text) or {}
+        return yaml.load(text, Loader=_yaml_loader()) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
         problem = getattr(exc, "problem", None) or str(exc)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(
-            Issue(where, f"YAML syntax error{at}: {problem}"), source=source
-        ) from None
+        at = f" (at line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ValueError(f"{problem}{at}") from None
+
+
+@functools.cache
+def _yaml_loader() -> type:
+    """yaml.SafeLoader, with two changes for configs."""
+    import yaml
+
+    class ConfigLoader(yaml.SafeLoader):
+        def construct_object(self, node: Any, deep: bool = False) -> Any:
+            # A value the constructor cannot build (a date like 2024-13-45) is reported at its
+            # line; an integer past the digit limit goes on as ValueError, for its own message.
+            try:
+                return super().construct_object(node, deep)
+            except ValueError as exc:
+                if _DIGIT_LIMIT_TEXT in str(exc):
+                    raise
+                shown = node.value if isinstance(node.value, str) else node.tag
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"cannot read {shown[:80]!r}: {exc}", node.start_mark
+                ) from None
+
+    # YAML 1.1 reads 1e-5 (no dot) as a string, which strict validation would then refuse as
+    # "not a number"; YAML 1.2, TOML and JSON all read it as a number, and so do we.
+    ConfigLoader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+        list("-+0123456789."),
+    )
+    return ConfigLoader
 
 
 _TOML_POSITION = re.compile(r"\(at line (\d+), column (\d+)\)")
@@ -127,20 +226,30 @@ def apply_overrides(
 
     VALUE is read as a TOML value (``3``, ``1e-5``, ``true``, ``"text"``, ``[1, 2]``,
     ``{ a = 1 }``); anything that is not valid TOML is taken as a plain string, so
-    ``--set model.path=./ckpt`` works without quoting; ``null`` unsets an optional key (e.g.
-    ``--set data.eval=null``). ``rewards[0].weight=2`` indexes a list.
+    ``--set model.path=./ckpt`` works without quoting, and so does a date (``2024-01-01`` is
+    the text typed); ``null`` unsets an optional key (e.g. ``--set data.eval=null``).
+    ``rewards[0].weight=2`` indexes a list. The values are checked with the rest of the config
+    by validate_config.
     """
-    result = json.loads(json.dumps(raw))  # deep copy of plain data
+    plain = check_plain(dict(raw))
+    if plain.shape:  # too deep or cyclic for the copy below
+        raise ConfigError(plain.issues, source=source)
+    result = copy.deepcopy(dict(raw))
     issues = []
     for override in overrides:
         try:
             path, value = _parse_override(override)
             _assign(result, path, value)
         except ValueError as exc:
-            issues.append(Issue(f"--set {override}", str(exc)))
+            issues.append(Issue(_label(override), str(exc)))
     if issues:
         raise ConfigError(issues, source=source)
     return result
+
+
+def _label(override: str, limit: int = 100) -> str:
+    shown = override if len(override) <= limit else override[: limit - 3] + "..."
+    return f"--set {shown}"
 
 
 _SEGMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_-]*)((?:\[\d+\])*)$")
@@ -170,9 +279,21 @@ def _parse_value(text: str) -> Any:
     if text == "null":  # TOML has no null; this is how an override unsets an optional key
         return None
     try:
-        return tomllib.loads(f"v = {text}")["v"]
+        value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+    except RecursionError:
+        raise ValueError(
+            f"the value is nested too deeply: a config nests at most {MAX_DEPTH} levels"
+        ) from None
+    except ValueError:  # only an integer past the digit limit gets past TOMLDecodeError
+        raise ValueError(
+            f"the value holds a number with more than {_DIGIT_LIMIT} digits; a config integer "
+            f"fits in 64 bits (at most {2**63 - 1:,})"
+        ) from None
+    if isinstance(value, datetime.date | datetime.time):
+        return text  # valid TOML, but on a command line a date is text, as typed
+    return value
 
 
 def _assign(target: Any, path: list[str | int], value: Any) -> None:

@@ -10,7 +10,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from rollout.config.algorithm import ONLINE_KINDS, PAIRED_PREFERENCE_KINDS, REFERENCE_KINDS
+from rollout.config.algorithm import (
+    ONLINE_KINDS,
+    PAIRED_PREFERENCE_KINDS,
+    REFERENCE_KINDS,
+    OnPolicyKnobs,
+    PpoConfig,
+)
+from rollout.config.data import FieldMap
+from rollout.config.generation import GenerationSection
+from rollout.config.logging import TRACKER_OPTIONS
 from rollout.config.root import RunConfig
 from rollout.errors import Issue
 
@@ -26,6 +35,11 @@ class Rule:
 RULES: list[Rule] = []
 
 
+class FieldNotValid(Exception):
+    """A rule read a field that failed validation (config/partial.py guards such areas). The rule
+    stops there: anything it concluded would be about a value the user never wrote."""
+
+
 def rule(*areas: str) -> Callable[[RuleFn], RuleFn]:
     def register(fn: RuleFn) -> RuleFn:
         RULES.append(Rule(frozenset(areas), fn))
@@ -38,7 +52,11 @@ def run_rules(config: RunConfig, *, available: set[str]) -> list[Issue]:
     issues: list[Issue] = []
     for r in RULES:
         if r.areas <= available:
-            issues.extend(r.check(config))
+            try:
+                for issue in r.check(config):
+                    issues.append(issue)  # found from fields that validated: it stands
+            except FieldNotValid:
+                pass
     return issues
 
 
@@ -50,9 +68,15 @@ def _nearby_multiples(value: int, of: int) -> str:
 
 
 def _divisors_near(total: int, value: int) -> str:
-    divisors = [d for d in range(1, total + 1) if total % d == 0]
-    best = sorted(divisors, key=lambda d: (abs(d - value), d))[:2]
-    return " or ".join(str(d) for d in sorted(best))
+    # Walks out from `value` a bounded number of steps: `total` may be any 64-bit integer.
+    best: list[int] = []
+    for distance in range(min(max(total, value), 100_000) + 1):
+        for d in dict.fromkeys((value - distance, value + distance)):  # nearest, then smaller
+            if 0 < d <= total and total % d == 0:
+                best.append(d)
+        if len(best) >= 2:
+            break
+    return " or ".join(str(d) for d in sorted(best[:2])) or "1"
 
 
 # --- model -------------------------------------------------------------------------------------
@@ -131,12 +155,91 @@ def group_baseline_has_a_group(config: RunConfig) -> Iterator[Issue]:
 @rule("algorithm")
 def optimizer_is_sane(config: RunConfig) -> Iterator[Issue]:
     algo = config.algorithm
-    if algo.max_steps is not None and algo.warmup_steps >= algo.max_steps:
+    if algo.max_steps is not None:
+        # Warmup counts optimizer steps: online, each training step takes
+        # rollout_batch_size / minibatch_size of them per update epoch.
+        total, within = algo.max_steps, f"max_steps {algo.max_steps}"
+        if algo.kind in ONLINE_KINDS:
+            per_step = (
+                algo.rollout_batch_size // (algo.minibatch_size or algo.rollout_batch_size)
+            ) * algo.update_epochs
+            if per_step > 1:
+                total = algo.max_steps * per_step
+                within = (
+                    f"the {total} optimizer steps of max_steps {algo.max_steps} "
+                    f"({per_step} per step)"
+                )
+        if algo.warmup_steps >= total:
+            yield Issue(
+                "algorithm.warmup_steps",
+                f"warmup of {algo.warmup_steps} steps never ends within {within}",
+                value=algo.warmup_steps,
+                hint=f"use fewer than {total} (often 5-10% of the run)",
+            )
+    if algo.warmup_steps == 1:
+        # The lr at optimizer step s < warmup is lr * (s + 1) / warmup_steps.
         yield Issue(
             "algorithm.warmup_steps",
-            f"warmup of {algo.warmup_steps} steps never ends within max_steps {algo.max_steps}",
-            value=algo.warmup_steps,
-            hint=f"use fewer than {algo.max_steps} (often 5-10% of the run)",
+            "a warmup of 1 step is no warmup: the first optimizer step already runs at the full lr",
+            value=1,
+            hint="use 0 (no warmup), or 2 or more",
+        )
+
+
+def kl_in_reward(config: RunConfig) -> bool:
+    """Whether the KL to the reference goes into the token rewards (as the per-token log-ratio)
+    rather than into the loss: REINFORCE++ always, PPO with kl_penalty = "reward"."""
+    algo = config.algorithm
+    return algo.kind == "reinforce_pp" or (algo.kind == "ppo" and algo.kl_penalty == "reward")
+
+
+@rule("algorithm")
+def kl_settings_are_read(config: RunConfig) -> Iterator[Issue]:
+    algo = config.algorithm
+    if algo.kind not in ONLINE_KINDS:
+        return
+    if algo.kl_estimator != OnPolicyKnobs.model_fields["kl_estimator"].default:
+        if algo.kl_coef == 0:
+            yield Issue(
+                "algorithm.kl_estimator",
+                "kl_estimator is set but kl_coef is 0: there is no KL term to estimate",
+                value=algo.kl_estimator,
+                hint="set kl_coef above 0, or remove kl_estimator",
+            )
+        elif kl_in_reward(config):
+            also = ', or set kl_penalty = "loss"' if algo.kind == "ppo" else ""
+            yield Issue(
+                "algorithm.kl_estimator",
+                f"{algo.kind} puts the KL in the token rewards, which always take the per-token "
+                "log-ratio (k1); kl_estimator is read by a KL term in the loss only",
+                value=algo.kl_estimator,
+                hint=f"remove kl_estimator{also}",
+            )
+    default_penalty = PpoConfig.model_fields["kl_penalty"].default
+    if algo.kind == "ppo" and algo.kl_penalty != default_penalty and algo.kl_coef == 0:
+        yield Issue(
+            "algorithm.kl_penalty",
+            "kl_penalty says where the KL to the reference goes, but kl_coef is 0: there is none",
+            value=algo.kl_penalty,
+            hint="set kl_coef above 0, or remove kl_penalty",
+        )
+
+
+@rule("algorithm")
+def value_loss_weight_is_read(config: RunConfig) -> Iterator[Issue]:
+    algo = config.algorithm
+    if (
+        algo.kind == "ppo"
+        and algo.critic == "separate"
+        and algo.vf_coef != PpoConfig.model_fields["vf_coef"].default
+    ):
+        yield Issue(
+            "algorithm.vf_coef",
+            "vf_coef weighs the value loss against the policy loss where one optimizer trains "
+            'both (critic = "value_head"); a separate critic has an AdamW of its own, which '
+            "normalizes such a constant factor away",
+            value=algo.vf_coef,
+            hint='tune the critic with critic_lr, or set critic = "value_head"',
         )
 
 
@@ -179,6 +282,61 @@ def eval_interval_needs_eval_data(config: RunConfig) -> Iterator[Issue]:
             "evaluation is scheduled but there is no evaluation set",
             value=config.run.eval_interval,
             hint="add [data.eval] path = ... or remove run.eval_interval",
+        )
+
+
+def read_fields(kind: str, mapping: FieldMap) -> tuple[str, ...]:
+    """The field-map roles an offline objective reads (rollout.planner.samples); online, every
+    mapped role reaches the rewards."""
+    if kind in ONLINE_KINDS:
+        return tuple(FieldMap.model_fields)
+    if kind in PAIRED_PREFERENCE_KINDS:
+        return ("prompt", "chosen", "rejected")
+    if kind == "kto":
+        return ("prompt", "completion", "label")
+    if kind == "sft" and mapping.messages is not None:
+        return ("messages",)  # a whole conversation: the prompt and completion are in it
+    return ("prompt", "completion", "messages")
+
+
+@rule("algorithm", "data")
+def mapped_fields_are_read(config: RunConfig) -> Iterator[Issue]:
+    kind = config.algorithm.kind
+    mapping = config.data.fields
+    read = read_fields(kind, mapping)
+    default_prompt = FieldMap.model_fields["prompt"].default
+    for role in FieldMap.model_fields:
+        field = getattr(mapping, role)
+        if field is None or role in read or (role == "prompt" and field == default_prompt):
+            continue
+        what = "with data.fields.messages, sft" if kind == "sft" and read == ("messages",) else kind
+        yield Issue(
+            f"data.fields.{role}",
+            f"{what} does not read a {role} (it reads {', '.join(read)}), so the field would "
+            "be ignored",
+            value=field,
+            hint=f"remove data.fields.{role}",
+        )
+    if kind == "sft" and mapping.messages is not None and config.data.system_prompt is not None:
+        yield Issue(
+            "data.system_prompt",
+            "sft trains on the data.fields.messages conversations as they are written: the "
+            "system prompt would not be added to them",
+            value=config.data.system_prompt,
+            hint="put a system message in the conversations, or remove system_prompt",
+        )
+
+
+@rule("data")
+def system_prompt_needs_the_chat_template(config: RunConfig) -> Iterator[Issue]:
+    data = config.data
+    if data.system_prompt is not None and not data.use_chat_template:
+        yield Issue(
+            "data.system_prompt",
+            "a system prompt is a chat message, but use_chat_template is false: prompts are "
+            "encoded as plain text, without it",
+            value=data.system_prompt,
+            hint="set use_chat_template = true, or remove system_prompt",
         )
 
 
@@ -225,6 +383,18 @@ def rewards_match_algorithm(config: RunConfig) -> Iterator[Issue]:
         seen.setdefault(name, i)
 
 
+@rule("rewards")
+def reward_models_take_no_options(config: RunConfig) -> Iterator[Issue]:
+    for i, spec in enumerate(config.rewards):
+        if spec.model is not None and spec.fn is None and spec.options:
+            yield Issue(
+                f"rewards[{i}].options",
+                "a reward model scores each (prompt, completion) as it is and takes no options",
+                value=spec.options,
+                hint=f"remove rewards[{i}].options",
+            )
+
+
 # --- generation --------------------------------------------------------------------------------
 
 
@@ -236,6 +406,41 @@ def engine_fits_device(config: RunConfig) -> Iterator[Issue]:
             "the vllm engine runs on GPUs only, but cluster.device is 'cpu'",
             value="vllm",
             hint='use engine = "hf" on CPU, or cluster.device = "cuda"',
+        )
+
+
+@rule("generation")
+def vllm_settings_need_vllm(config: RunConfig) -> Iterator[Issue]:
+    gen = config.generation
+    default = GenerationSection.model_fields["gpu_memory_utilization"].default
+    if gen.engine != "vllm" and gen.gpu_memory_utilization != default:
+        yield Issue(
+            "generation.gpu_memory_utilization",
+            f"only the vllm engine reserves a share of GPU memory; the {gen.engine} engine "
+            "would ignore it",
+            value=gen.gpu_memory_utilization,
+            hint='remove gpu_memory_utilization, or set engine = "vllm"',
+        )
+
+
+@rule("generation", "algorithm")
+def generation_is_online_only(config: RunConfig) -> Iterator[Issue]:
+    # Compared with the defaults, not with what was written: a plan.lock spells out every
+    # default, and its config must pass these rules again.
+    if config.algorithm.kind in ONLINE_KINDS:
+        return
+    changed = [
+        name
+        for name, value in config.generation.model_dump().items()
+        if value != GenerationSection.model_fields[name].get_default(call_default_factory=True)
+    ]
+    for name in changed:
+        yield Issue(
+            f"generation.{name}",
+            f"{config.algorithm.kind} trains on a fixed dataset and generates nothing, so "
+            "[generation] settings would be ignored",
+            value=getattr(config.generation, name),
+            hint="remove the [generation] section, or use grpo, ppo, rloo or reinforce_pp",
         )
 
 
@@ -294,12 +499,18 @@ def placement_fits_cluster(config: RunConfig) -> Iterator[Issue]:
             hint=f"add {role} = [<ranks>] to cluster.placement, or remove the placement table "
             "to colocate every role",
         )
-    placed = {rank for ranks in cluster.placement.values() for rank in ranks}
-    idle = sorted(set(range(world)) - placed)
-    if idle:
+    placed = {rank for ranks in cluster.placement.values() for rank in ranks if 0 <= rank < world}
+    if len(placed) < world:
+        # Listed from a bounded range: nproc_per_node may be any 64-bit integer.
+        idle = [rank for rank in range(min(world, len(placed) + 10)) if rank not in placed]
+        more = (
+            f" (and {world - len(placed) - len(idle)} more)"
+            if len(placed) + len(idle) < world
+            else ""
+        )
         yield Issue(
             "cluster.placement",
-            f"process ranks {idle} run no role",
+            f"process ranks {idle}{more} run no role",
             hint="place a role on them, or lower nproc_per_node / nnodes",
         )
 
@@ -343,3 +554,17 @@ def trackers_are_configured(config: RunConfig) -> Iterator[Issue]:
         )
     if len(set(logging.trackers)) != len(logging.trackers):
         yield Issue("logging.trackers", "a tracker is listed twice", value=logging.trackers)
+    # An option of a tracker that is not enabled would be accepted and then ignored.
+    for tracker, options in TRACKER_OPTIONS.items():
+        if tracker in logging.trackers:
+            continue
+        for option in options:
+            value = getattr(logging, option)
+            if value is not None:
+                yield Issue(
+                    f"logging.{option}",
+                    f"{option} is set but the {tracker} tracker is not enabled, so nothing "
+                    "would read it",
+                    value=value,
+                    hint=f'add "{tracker}" to logging.trackers, or remove {option}',
+                )

@@ -1,26 +1,35 @@
 """Turn a raw config mapping into a RunConfig, or into every problem it has at once.
 
-Each top-level area is validated on its own, so a typo in [storage] does not hide a bad value in
-[algorithm]; cross-field rules then run on every area that validated. Pydantic's errors are
-translated into Issues with clean dotted paths (the discriminator tag dropped), the bad value, and
-"did you mean" for misspelled keys and choices.
+Three checks, whose problems are reported together:
+1. Plain data (plain.py): a value that is no string, number, boolean, list or table (a TOML date,
+   a YAML !!set), or that later code cannot take (a NUL, an integer past 64 bits), is refused at
+   its path and left out of the other checks.
+2. Each top-level area is validated on its own, so a typo in [storage] does not hide a bad value in
+   [algorithm], and strictly: a value of the wrong type is refused, never converted ("20" is not
+   20). Validating in pydantic's JSON mode keeps what every config file needs: an integer is a
+   number, and a list fills a fixed-length tuple (adam_betas), as JSON has no tuples and does
+   not tell 1 from 1.0.
+3. The cross-field rules run on every area, those with bad fields too (partial.py): the area is
+   validated again without them, and a rule that reads one stops instead of judging a default.
+Pydantic's errors become Issues in translate.py.
 """
 
 from __future__ import annotations
 
-import difflib
-import types
+import functools
+import json
 import typing
 from collections.abc import Mapping
-from dataclasses import replace
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any
 
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
+from rollout.config.partial import guarded, salvage, without
+from rollout.config.plain import RawPath, check_plain
 from rollout.config.root import RunConfig
 from rollout.config.rules import run_rules
-from rollout.config.secrets import check_secret_ref, redact
+from rollout.config.translate import translate, translate_errors, unknown_key
 from rollout.errors import ConfigError, Issue
 
 _ADAPTERS: dict[str, TypeAdapter[Any]] = {}
@@ -32,25 +41,30 @@ def validate_config(raw: Mapping[str, Any], *, source: str | None = None) -> Run
         raise ConfigError(
             [Issue("(top level)", "a config must be a table of sections", value=raw)], source=source
         )
-    issues: list[Issue] = []
+    plain = check_plain(dict(raw))
+    if plain.shape:  # too deep, cyclic or too big: nothing below may walk it
+        raise ConfigError(plain.issues, source=source)
+    issues = list(plain.issues)
+    cleaned, left_out = without(dict(raw), plain.refused)
     areas: dict[str, Any] = {}
     fields = RunConfig.model_fields
-    for key in raw:
+    for key in cleaned:
         if key not in fields:
-            issues.append(_unknown_key(str(key), list(fields), prefix=""))
+            issues.append(unknown_key(str(key), list(fields), prefix=""))
     for name, info in fields.items():
-        if name not in raw:
-            if info.is_required():
+        refused = [path[1:] for path in left_out if path[0] == name]
+        if name not in cleaned:
+            if info.is_required() and not refused:
                 issues.append(
                     Issue(name, f"missing required section [{name}]", hint=_describe(info))
                 )
             continue
-        try:
-            areas[name] = _adapter(name, info).validate_python(raw[name])
-        except ValidationError as exc:
-            issues.extend(translate_errors(exc, prefix=(name,), root=info.annotation))
+        area, found = _validate_area(name, info, cleaned[name], refused)
+        issues.extend(found)
+        if area is not None:
+            areas[name] = area
     if not issues:
-        config = RunConfig.model_validate(dict(raw))
+        config = RunConfig.model_validate(cleaned)
         issues.extend(run_rules(config, available=set(fields)))
     else:
         partial = RunConfig.model_construct(**areas)
@@ -58,6 +72,30 @@ def validate_config(raw: Mapping[str, Any], *, source: str | None = None) -> Run
     if issues:
         raise ConfigError(issues, source=source)
     return config
+
+
+def _validate_area(
+    name: str, info: FieldInfo, value: Any, refused: list[RawPath]
+) -> tuple[Any | None, list[Issue]]:
+    """The area for the rules (guarded where some of its values are bad; None when it cannot be
+    had at all), and its issues."""
+    validate = functools.partial(_strictly, _adapter(name, info))
+    try:
+        return guarded(validate(value), refused), []
+    except ValidationError as exc:
+        found = translate(exc, prefix=(name,), root=info.annotation)
+    # A required key left out for its bad value is reported already: "missing" would be its echo.
+    found = [f for f in found if not (f.missing and _under(f.raw_path, refused))]
+    bad = [*refused, *(f.raw_path for f in found)]
+    return salvage(validate, value, bad), [f.issue for f in found]
+
+
+def _strictly(adapter: TypeAdapter[Any], value: Any) -> Any:
+    return adapter.validate_json(json.dumps(value), strict=True)
+
+
+def _under(path: RawPath, prefixes: list[RawPath]) -> bool:
+    return any(path[: len(prefix)] == prefix for prefix in prefixes)
 
 
 def _adapter(name: str, info: FieldInfo) -> TypeAdapter[Any]:
@@ -73,255 +111,4 @@ def _describe(info: FieldInfo) -> str | None:
     return f"add it: {info.description}" if info.description else None
 
 
-# ---------------------------------------------------------------------------------------------
-# pydantic error -> Issue
-
-
-def translate_errors(exc: ValidationError, *, prefix: tuple[str, ...], root: Any) -> list[Issue]:
-    issues = []
-    for error in exc.errors(include_url=False):
-        loc = prefix + tuple(error["loc"])
-        path, parent, leaf = _walk(root, loc[len(prefix) :], prefix)
-        issue = _issue_for(error, path, parent)
-        if issue.has_value and isinstance(issue.value, str) and _is_secret(leaf, issue.value):
-            issue = replace(
-                issue, value=redact(issue.value) if "://" in issue.value else "<redacted>"
-            )
-        issues.append(issue)
-    return issues
-
-
-def _is_secret(annotation: Any, value: str) -> bool:
-    """A value rejected by a secret field is never echoed back; nor is a URL's password."""
-    if redact(value) != value:
-        return True
-    for arg in get_args(annotation) or ():
-        for meta in getattr(arg, "__metadata__", ()) or get_args(arg)[1:]:
-            if getattr(meta, "func", None) is check_secret_ref:
-                return True
-    return any(
-        getattr(m, "func", None) is check_secret_ref
-        for m in getattr(annotation, "__metadata__", ())
-    )
-
-
-def _issue_for(error: Mapping[str, Any], path: str, parent: Any) -> Issue:
-    kind = error["type"]
-    ctx = error.get("ctx") or {}
-    value = error.get("input")
-    if kind == "extra_forbidden":
-        key = path.rsplit(".", 1)[-1]
-        parent_path = path[: -len(key) - 1] if "." in path else ""
-        return _unknown_key(key, _field_names(parent), prefix=parent_path, value=value)
-    if kind == "missing":
-        return Issue(path, "missing required key")
-    if kind in ("union_tag_invalid", "union_tag_not_found"):
-        tags = list(_discriminated_members(_strip_optional(parent)) or {})
-        discriminator = str(ctx.get("discriminator", "kind")).strip("'")
-        tag_path = f"{path}.{discriminator}"
-        if kind == "union_tag_not_found":
-            misspelled = _misspelling_of(discriminator, value)
-            if misspelled:
-                return _unknown_key(misspelled, [discriminator], prefix=path)
-            return Issue(tag_path, f"missing required key; choose one of {_join(tags)}")
-        return Issue(
-            tag_path,
-            f"unknown {discriminator}; expected one of {_join(tags)}",
-            value=ctx.get("tag"),
-            hint=_did_you_mean(str(ctx.get("tag")), tags),
-        )
-    if kind == "literal_error":
-        choices = _split_choices(ctx.get("expected", ""))
-        return Issue(
-            path,
-            f"expected one of {_join(choices)}",
-            value=value,
-            hint=_did_you_mean(str(value), choices),
-        )
-    return Issue(path, _message(kind, error["msg"], ctx), value=value)
-
-
-_MESSAGES = {
-    "greater_than": "must be greater than {gt}",
-    "greater_than_equal": "must be at least {ge}",
-    "less_than": "must be less than {lt}",
-    "less_than_equal": "must be at most {le}",
-    "int_type": "must be an integer",
-    "int_parsing": "must be an integer",
-    "int_from_float": "must be a whole number",
-    "float_type": "must be a number",
-    "float_parsing": "must be a number",
-    "bool_type": "must be true or false",
-    "bool_parsing": "must be true or false",
-    "string_type": "must be a string",
-    "string_too_short": "must be at least {min_length} characters long",
-    "string_too_long": "must be at most {max_length} characters long",
-    "string_pattern_mismatch": "must match the pattern {pattern}",
-    "model_type": "must be a table (a [section] or {{ key = value }})",
-    "model_attributes_type": "must be a table (a [section] or {{ key = value }})",
-    "dict_type": "must be a table",
-    "list_type": "must be a list",
-    "tuple_type": "must be a list",
-    "too_short": "must have at least {min_length} items",
-    "too_long": "must have at most {max_length} items",
-    "frozen_instance": "cannot be changed",
-    "finite_number": "must be a finite number",
-}
-
-
-def _message(kind: str, default: str, ctx: Mapping[str, Any]) -> str:
-    if kind == "value_error":
-        return default.removeprefix("Value error, ")
-    template = _MESSAGES.get(kind)
-    if template is None:
-        return default[:1].lower() + default[1:]
-    try:
-        return template.format(**ctx)
-    except (KeyError, IndexError):
-        return default
-
-
-# Names other tools use for our keys; a user coming from TRL or verl gets pointed at ours.
-_SYNONYMS = {
-    "learning_rate": "lr",
-    "num_train_epochs": "epochs",
-    "ppo_epochs": "update_epochs",
-    "per_device_train_batch_size": "micro_batch_size",
-    "train_batch_size": "batch_size",
-    "max_completion_length": "max_new_tokens",
-    "max_tokens": "max_new_tokens",
-    "max_prompt_length": "max_prompt_tokens",
-    "group_size": "num_generations",
-    "n_samples": "num_generations",
-    "epsilon": "clip_ratio_low",
-    "epsilon_high": "clip_ratio_high",
-    "cliprange": "clip_ratio_low",
-    "kl_beta": "kl_coef",
-    "init_kl_coef": "kl_coef",
-    "save_steps": "interval",
-    "save_total_limit": "keep_last",
-    "model_name_or_path": "path",
-    "seed_value": "seed",
-}
-
-
-def _unknown_key(key: str, known: list[str], *, prefix: str, value: Any = None) -> Issue:
-    path = f"{prefix}.{key}" if prefix else key
-    where = f"[{prefix}]" if prefix else "the top level"
-    aliases = {alias: target for alias, target in _SYNONYMS.items() if target in known}
-    close = difflib.get_close_matches(key.lower(), [*known, *aliases], n=1, cutoff=0.6)
-    hint = (
-        f"did you mean {aliases.get(close[0], close[0])!r}?" if close else _did_you_mean(key, known)
-    )
-    if hint is None and known:
-        hint = f"known keys in {where}: {', '.join(known)}"
-    return Issue(path, f"unknown key in {where}", hint=hint)
-
-
-def _misspelling_of(key: str, table: Any) -> str | None:
-    """The key in ``table`` that looks like a misspelled ``key``, if any."""
-    if not isinstance(table, Mapping):
-        return None
-    close = difflib.get_close_matches(key, [str(k) for k in table], n=1, cutoff=0.6)
-    return close[0] if close else None
-
-
-def _did_you_mean(word: str, choices: list[str]) -> str | None:
-    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
-    if not close:
-        lowered = {c.lower(): c for c in choices}
-        if word.lower() in lowered:
-            close = [lowered[word.lower()]]
-    return f"did you mean {close[0]!r}?" if close else None
-
-
-def _split_choices(text: str) -> list[str]:
-    return [
-        part.strip().strip("'\"") for part in text.replace(" or ", ",").split(",") if part.strip()
-    ]
-
-
-def _join(choices: list[str]) -> str:
-    return ", ".join(repr(c) for c in choices)
-
-
-# ---------------------------------------------------------------------------------------------
-# walking the type tree alongside an error location
-
-
-def _walk(annotation: Any, loc: tuple[Any, ...], prefix: tuple[str, ...]) -> tuple[str, Any, Any]:
-    """Follow ``loc`` through ``annotation``; return (dotted path, type holding the last key,
-    type of the last key)."""
-    path = ".".join(prefix)
-    current = annotation
-    parent = annotation
-    for part in loc:
-        if part == "[key]":  # pydantic's marker for "the dict key itself was invalid"
-            continue
-        current = _strip_optional(current)
-        parent = current
-        union_members = _discriminated_members(current)
-        if union_members is not None:
-            # pydantic puts the chosen tag in the location: it is not a key the user wrote.
-            current = union_members.get(part, current)
-            continue
-        if isinstance(part, int):
-            path += f"[{part}]"
-            current = _item_type(current)
-            continue
-        path = f"{path}.{part}" if path else str(part)
-        current = _child_type(current, str(part))
-    return path, parent, current
-
-
-def _strip_optional(annotation: Any) -> Any:
-    origin = get_origin(annotation)
-    if origin is typing.Annotated:
-        return _strip_optional(get_args(annotation)[0])
-    if origin in (Union, types.UnionType):
-        members = [a for a in get_args(annotation) if a is not type(None)]
-        if len(members) == 1:
-            return _strip_optional(members[0])
-    return annotation
-
-
-def _discriminated_members(annotation: Any) -> dict[str, Any] | None:
-    if get_origin(annotation) not in (Union, types.UnionType):
-        return None
-    members: dict[str, Any] = {}
-    for member in get_args(annotation):
-        if (
-            isinstance(member, type)
-            and issubclass(member, BaseModel)
-            and "kind" in member.model_fields
-        ):
-            for tag in get_args(member.model_fields["kind"].annotation):
-                members[tag] = member
-    return members or None
-
-
-def _child_type(annotation: Any, key: str) -> Any:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        info = annotation.model_fields.get(key)
-        return info.annotation if info else None
-    if get_origin(annotation) is dict:
-        return get_args(annotation)[1]
-    return None
-
-
-def _item_type(annotation: Any) -> Any:
-    args = get_args(annotation)
-    if get_origin(annotation) in (list, tuple) and args:
-        return args[0]
-    return None
-
-
-def _field_names(annotation: Any) -> list[str]:
-    annotation = _strip_optional(annotation)
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return list(annotation.model_fields)
-    if get_origin(annotation) is dict:
-        key_type = get_args(annotation)[0]
-        if get_origin(key_type) is Literal:
-            return [str(a) for a in get_args(key_type)]
-    return []
+__all__ = ["translate_errors", "validate_config"]

@@ -14,8 +14,9 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from rollout.errors import Issue, RolloutError
+from rollout.files import refusal
 from rollout.planner import locations
-from rollout.planner.fingerprint import sha256_file
+from rollout.planner.fingerprint import is_url, sha256_file
 from rollout.planner.inspect_data import scan_jsonl, scan_parquet
 
 MAX_LISTED = 10
@@ -61,6 +62,10 @@ def read_prompts(location: str, field: str, *, limit: int | None = None) -> Prom
     A relative `location` starts at the current directory, with or without --config: it is typed
     on the command line, not written in the config.
     """
+    if "\0" in location:  # every os function would raise ValueError on it
+        raise RolloutError(
+            Issue("--prompts", "the path holds a NUL character (\\x00)", value=location)
+        )
     cwd = Path.cwd()
     resolved = locations.resolve(location, cwd)
     if not locations.exists(resolved):
@@ -76,6 +81,16 @@ def read_prompts(location: str, field: str, *, limit: int | None = None) -> Prom
     if locations.is_dir(resolved):
         raise RolloutError(
             Issue("--prompts", f"{resolved} is a directory, not a prompt file", value=location)
+        )
+    reason = None if is_url(resolved) else refusal(resolved)
+    if reason is not None:  # a FIFO would block the read, /dev/zero feed it forever
+        raise RolloutError(
+            Issue(
+                "--prompts",
+                f"{resolved} {reason}",
+                value=location,
+                hint="pass a .jsonl or .parquet file",
+            )
         )
     fmt = file_format(resolved, "--prompts")
     checker = _Checker(resolved, field)

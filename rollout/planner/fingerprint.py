@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import BinaryIO
+
+from rollout.files import open_regular
 
 _CHUNK = 1 << 20
 
@@ -32,11 +35,14 @@ def is_url(location: str | Path) -> bool:
     return "://" in str(location) and not str(location).startswith("file://")
 
 
-def open_binary(location: str | Path):
-    """Open a local path or an fsspec URL for reading bytes."""
+def open_binary(location: str | Path) -> BinaryIO:
+    """Open a local path or an fsspec URL for reading bytes.
+
+    A local path must be a regular file: a FIFO or a device (/dev/zero) raises FileRefused (an
+    OSError) instead of blocking or reading forever. Remote objects cannot be either.
+    """
     if is_url(location):
         import fsspec  # only remote locations pay for fsspec
 
         return fsspec.open(str(location), "rb").open()
-    text = str(location)
-    return open(text.removeprefix("file://"), "rb")
+    return open_regular(str(location).removeprefix("file://"))

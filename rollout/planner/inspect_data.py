@@ -19,13 +19,18 @@ from typing import Any, Literal, Protocol
 from urllib.parse import urlsplit
 
 from rollout.config.data import DataSource
+from rollout.config.plain import deeper_than
 from rollout.errors import Issue, PlanError
+from rollout.files import refusal
 from rollout.planner import locations
 from rollout.planner.definition import DataFacts
-from rollout.planner.fingerprint import open_binary, sha256_file
+from rollout.planner.fingerprint import is_url, open_binary, sha256_file
 from rollout.planner.inspect_samples import RecordProblem
 
 MAX_ISSUES_PER_FILE = 10
+# A record nests a chat or a tool call a few levels deep; past this it is not data we can use,
+# and comparing or tokenizing it would exhaust the recursion limit.
+MAX_RECORD_DEPTH = 100
 
 _EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
 _JSON_KINDS = {
@@ -55,6 +60,16 @@ def inspect_data(
     if not locations.exists(location):
         raise PlanError(
             locations.not_found(key, location, what=f"{split} data file", value=source.path)
+        )
+    reason = None if is_url(location) else refusal(location)
+    if reason is not None:  # a FIFO would block the scan, /dev/zero feed it forever
+        raise PlanError(
+            Issue(
+                key,
+                f"{location} {reason}",
+                value=source.path,
+                hint="point it at a .jsonl or .parquet file",
+            )
         )
     data_format = _data_format(source, location, split)
     checker = _Checker(location, key, required, paired, check)
@@ -133,14 +148,25 @@ def scan_jsonl(location: str, limit: int | None, checker: RecordSink) -> int:
             number += 1
             try:
                 record = json.loads(line)
+                if _too_deep(line, record):
+                    raise RecursionError
             except json.JSONDecodeError as exc:
                 checker.problem(
                     f"line {line_number} of {location} is not valid JSON: {exc.msg} "
                     f"(column {exc.colno})"
                 )
                 continue
-            except ValueError:
+            except UnicodeDecodeError:
                 checker.problem(f"line {line_number} of {location} is not UTF-8 text")
+                continue
+            except RecursionError:
+                checker.problem(
+                    f"line {line_number} of {location} nests arrays or objects more than "
+                    f"{MAX_RECORD_DEPTH} levels deep"
+                )
+                continue
+            except ValueError:  # CPython's limit on integer digits (about 4300)
+                checker.problem(f"line {line_number} of {location} holds a number too long")
                 continue
             if not isinstance(record, dict):
                 checker.problem(
@@ -152,6 +178,12 @@ def scan_jsonl(location: str, limit: int | None, checker: RecordSink) -> int:
                 continue
             checker.record(f"record {number} (line {line_number})", record)
     return number
+
+
+def _too_deep(line: bytes, record: Any) -> bool:
+    # Counting brackets (in C) first keeps the walk off every ordinary line.
+    nesting = line.count(b"[") + line.count(b"{")
+    return nesting > MAX_RECORD_DEPTH and deeper_than(record, MAX_RECORD_DEPTH)
 
 
 def scan_parquet(location: str, limit: int | None, checker: RecordSink) -> int:

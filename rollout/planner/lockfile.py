@@ -22,12 +22,19 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from rollout.config.plain import deeper_than
 from rollout.errors import Issue, LockfileError
+from rollout.files import FileRefused, read_capped
 from rollout.planner.definition import FORMAT_VERSION, Plan, Versions
 from rollout.planner.fingerprint import is_url, sha256_bytes, sha256_file
 from rollout.plugins.resolve import VersionLookup, installed_version, plugin_changes, short_hash
 
 FORMAT = "rollout.plan"
+
+# A plan.lock is a few KiB. The cap only keeps a wrong file from being read into memory whole.
+MAX_PLAN_BYTES = 64 << 20
+# A plan nests its config (at most config.plain.MAX_DEPTH levels) a few levels down.
+MAX_PLAN_DEPTH = 128
 
 # Distributions whose version shapes what a run does; any change makes the plan stale.
 VERSIONED = ("rollout", "torch", "transformers", "vllm")
@@ -127,11 +134,13 @@ def _refuse(path: Path, message: str, hint: str) -> LockfileError:
 
 def _read_bytes(path: Path) -> bytes:
     try:
-        return path.read_bytes()
+        return read_capped(path, limit=MAX_PLAN_BYTES, what="a plan.lock")
     except FileNotFoundError:
         raise _refuse(
             path, "no plan file here", f"create it with `rollout plan --config CONFIG -o {path}`"
         ) from None
+    except FileRefused as exc:  # a FIFO, a device, a directory, a huge file: never read
+        raise _refuse(path, exc.reason, "pass the plan.lock `rollout plan` wrote") from None
     except OSError as exc:
         raise _refuse(
             path, f"cannot be read: {exc.strerror}", "pass the plan.lock `rollout plan` wrote"
@@ -141,13 +150,20 @@ def _read_bytes(path: Path) -> bytes:
 def _parse(raw: bytes, path: Path) -> Any:
     hint = "pass the plan.lock `rollout plan` wrote; was this one truncated or edited?"
     try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+        document = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+        if deeper_than(document, MAX_PLAN_DEPTH):
+            raise RecursionError  # the checks below recurse too, some in Python
+        return document
     except UnicodeDecodeError:
         raise _refuse(path, "is not a rollout plan: it is not UTF-8 text", hint) from None
     except json.JSONDecodeError as exc:
         where = f"line {exc.lineno}, column {exc.colno}"
         raise _refuse(path, f"is not valid JSON: {exc.msg} at {where}", hint) from None
+    except RecursionError:  # json.loads recurses once per nested array or object
+        raise _refuse(path, "is not a rollout plan: its JSON is nested too deeply", hint) from None
     except ValueError as exc:
+        if "Exceeds the limit" in str(exc):  # CPython's int digit limit, ~4300 digits
+            raise _refuse(path, "is not a rollout plan: it holds a number too long", hint) from None
         raise _refuse(path, f"is not valid JSON: {exc}", hint) from None
 
 
@@ -222,6 +238,8 @@ def _check_integrity(document: dict[str, Any], raw: bytes, path: Path, replan: s
 def _validate(content: dict[str, Any], path: Path, replan: str) -> Plan:
     try:
         return Plan.model_validate(content)
+    except RecursionError:  # a hand-made file that hashes right yet nests past any real plan
+        raise _refuse(path, "does not hold a valid plan: it is nested too deeply", replan) from None
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         first = errors[0]

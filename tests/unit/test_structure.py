@@ -22,7 +22,16 @@ ALLOWED = {
     "config": {"config", "errors"},
     "schema": {"config", "errors", "schema"},
     # cache: the planner reads a GGUF model's tokenizer from the worker's dequantized copy.
-    "planner": {"config", "plugins", "errors", "planner", "testing", "harness", "cache", "__init__"},
+    "planner": {
+        "config",
+        "plugins",
+        "errors",
+        "planner",
+        "testing",
+        "harness",
+        "cache",
+        "__init__",
+    },
     "plugins": {"plugins", "errors", "planner", "__init__"},
     "storage": {"storage", "config", "errors"},
     "executor": {"executor", "planner", "storage", "config", "errors"},
@@ -62,8 +71,9 @@ ALLOWED["serve"] = {
     "errors",
     "inference",
 }
-# Standard-library-only modules every layer may use: redaction of credentials in any text.
-SHARED = {"redact"}
+# Standard-library-only modules every layer may use: redaction of credentials in any text, and
+# reading a user-named local file only when it is a regular file, with a size cap.
+SHARED = {"redact", "files"}
 FORBIDDEN_THIRD_PARTY = {
     "config": {"torch", "transformers", "typer", "rich"},
     "planner": {"torch", "transformers", "gguf", "vllm"},
