@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import tempfile
+import traceback
+
 import typer
 
 from rollout import __version__
+from rollout.cli.options import render_flags_as_flags
+from rollout.redact import redact_text
 
+render_flags_as_flags()
 app = typer.Typer(
     name="rollout",
     help="Train LLMs with reinforcement learning from one declarative config.",
@@ -39,5 +47,31 @@ def _register() -> None:
 _register()
 
 
+DEBUG_ENV = "ROLLOUT_DEBUG"
+
+
 def main() -> None:
-    app()
+    """The `rollout` command. A user's mistake is a RolloutError, rendered by each command with
+    exit code 2; anything else is a bug in rollout, and still gets one line, not a traceback:
+    the traceback goes to a file named in that line (or to the terminal with ROLLOUT_DEBUG=1)."""
+    try:
+        app()
+    except Exception as error:  # SystemExit (typer's exits) and KeyboardInterrupt pass through
+        if os.environ.get(DEBUG_ENV):
+            raise
+        saved = _save_traceback(error)
+        message = redact_text(f"{type(error).__name__}: {error}")
+        sys.stderr.write(
+            f"rollout: internal error: {message}\n"
+            f"  this is a bug in rollout, not in your config; the traceback is in {saved}\n"
+            "  (please report it with that file; ROLLOUT_DEBUG=1 shows it here)\n"
+        )
+        sys.exit(1)
+
+
+def _save_traceback(error: BaseException) -> str:
+    text = redact_text("".join(traceback.format_exception(error)))
+    handle, path = tempfile.mkstemp(prefix="rollout-error-", suffix=".txt")
+    with os.fdopen(handle, "w", encoding="utf-8") as file:
+        file.write(text)
+    return path

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import time
 from enum import Enum
-from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from rollout.cli.app import app
-from rollout.cli.options import SetOption
+from rollout.cli.options import SetOption, local_path
 from rollout.cli.render import stderr, stdout, user_errors
 
 EXIT_INTERRUPTED = 130
@@ -39,13 +38,15 @@ def generate(
         ),
     ],
     out: Annotated[
-        Path, typer.Option("--out", "-o", help="Output file, .jsonl or .parquet (by extension).")
+        str,
+        typer.Option("--out", "-o", help="Output file, .jsonl or .parquet (by extension)."),
     ],
     config: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--config",
             "-c",
+            metavar="PATH",
             help="A config to take \\[model], \\[generation] and the \\[data] prompt settings from.",
         ),
     ] = None,
@@ -103,7 +104,15 @@ def generate(
         list[str] | None, typer.Option(help="End a completion at this string (repeatable).")
     ] = None,
     batch_size: Annotated[
-        int | None, typer.Option(min=1, help="Completions decoded at once (hf 32, vllm 256).")
+        int | None,
+        typer.Option(
+            "--max-batch-size",
+            "--batch-size",
+            min=1,
+            help="Most completions the engine decodes together, also the completions of one "
+            "resumable chunk. Default: the config's generation.max_batch_size, else hf 32, "
+            "vllm 256.",
+        ),
     ] = None,
     engine: Annotated[Engine | None, typer.Option(help="Generation backend.")] = None,
     seed: Annotated[
@@ -129,10 +138,14 @@ def generate(
     from rollout.inference.batch import GenerateOptions
     from rollout.inference.batch import generate as run_job
 
+    with user_errors():
+        config_path = local_path(config)
+        # Written in place, with a progress file beside it, and resumed: a local file for now.
+        out_path = local_path(out, "--out", hint="write to a local file, then copy it")
     options = GenerateOptions(
         prompts=prompts,
-        out=out,
-        config=config,
+        out=out_path,
+        config=config_path,
         overrides=tuple(set_ or ()),
         model=model,
         checkpoint=checkpoint,

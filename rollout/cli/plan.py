@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from rollout.cli.app import app
-from rollout.cli.options import Format, FormatOption, SetOption
+from rollout.cli.options import Format, FormatOption, SetOption, local_path
 from rollout.cli.render import stderr, stdout, user_errors
 from rollout.planner.memory import gib
 
@@ -29,7 +29,7 @@ OutputOption = Annotated[
 def plan(
     ctx: typer.Context,
     config: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--config", "-c", help="Config file (.toml, .yaml/.yml or .json).", show_default=False
         ),
@@ -50,7 +50,7 @@ def plan(
     from rollout.planner.builder import build_plan
 
     with user_errors(fmt.value):
-        the_plan = build_plan(config, overrides=set_ or [])
+        the_plan = build_plan(local_path(config), overrides=set_ or [])
         the_plan.write(str(output))
     if fmt is Format.json:
         stdout.print_json(
@@ -75,14 +75,14 @@ def plan(
 
 @plan_app.command("show")
 def show(
-    path: Annotated[Path, typer.Argument(help="A plan.lock file.")] = Path("plan.lock"),
+    path: Annotated[str, typer.Argument(help="A plan.lock file.")] = "plan.lock",
 ) -> None:
     """Explain a plan.lock: roles, placement, memory, plugins, versions."""
     from rollout.planner.definition import Plan
     from rollout.planner.explain import explain as render
 
     with user_errors():
-        the_plan = Plan.from_file(str(path), check_fresh=False)
+        the_plan = Plan.from_file(str(local_path(path, "plan.lock")), check_fresh=False)
     render(the_plan, stdout)
 
 

@@ -9,10 +9,13 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from rollout.cli.app import app
+from rollout.cli.options import local_path
 from rollout.cli.render import stdout, user_errors
 from rollout.errors import Issue, RolloutError
+from rollout.redact import redact_text
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -20,10 +23,11 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 @app.command()
 def serve(
     config: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--config",
             "-c",
+            metavar="PATH",
             help="Serve this config's model; its \\[generation] section gives the defaults.",
         ),
     ] = None,
@@ -73,7 +77,12 @@ def serve(
         int | None,
         typer.Option("--max-batch-size", min=1, help="Most sequences decoded together."),
     ] = None,
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")] = "cpu",
+    device: Annotated[
+        str,
+        typer.Option(
+            "--device", help="auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N."
+        ),
+    ] = "auto",
     dtype: Annotated[
         str, typer.Option("--dtype", help="auto, float32, bfloat16 or float16.")
     ] = "auto",
@@ -85,6 +94,7 @@ def serve(
 
     Stops gracefully on SIGTERM or Ctrl-C: requests in flight are answered first.
     """
+    from rollout.inference.batch import resolve_device
     from rollout.serve.loading import load_served, resolve_api_key, resolve_source, tls_context
 
     # OpenMP's worker threads spin while they wait for work. Here the engine thread shares the
@@ -94,15 +104,23 @@ def serve(
     with user_errors():
         if dtype not in DTYPES:
             raise RolloutError(Issue("--dtype", f"must be one of {', '.join(DTYPES)}", value=dtype))
-        source = resolve_source(config=config, model=model, checkpoint=checkpoint, name=name)
+        source = resolve_source(
+            config=local_path(config), model=model, checkpoint=checkpoint, name=name
+        )
         key = resolve_api_key(api_key, host)
         tls = tls_context(tls_cert, tls_key)
         served = load_served(
-            source, device=device, dtype=dtype, seed=seed, max_batch_size=max_batch_size
+            source,
+            device=resolve_device(device),
+            dtype=dtype,
+            seed=seed,
+            max_batch_size=max_batch_size,
         )
     with user_errors():
         server = _bind(host, port, served, key, tls)
-    stdout.print(f"serving {source.name!r} at {server.url} (Ctrl-C or SIGTERM stops)")
+    # The name may come from a --model URL: printed only through redact_text, like every Issue.
+    shown = redact_text(repr(source.name))
+    stdout.print(f"serving {escape(shown)} at {server.url} (Ctrl-C or SIGTERM stops)")
     _serve_until_signalled(server)
     stdout.print("stopped")
 

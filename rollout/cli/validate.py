@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from rollout.cli.app import app
-from rollout.cli.options import ConfigOption, Format, FormatOption, SetOption
+from rollout.cli.options import ConfigOption, Format, FormatOption, SetOption, local_path
 from rollout.cli.render import stdout, user_errors
 from rollout.config import load_config
 from rollout.config.root import RunConfig
@@ -15,7 +15,7 @@ from rollout.config.root import RunConfig
 def validate(config: ConfigOption, set_: SetOption = None, fmt: FormatOption = Format.text) -> None:
     """Check a config: every mistake at once, each with its path and a fix. Exit 2 if any."""
     with user_errors(fmt.value):
-        run_config = load_config(config, set_ or [])
+        run_config = load_config(local_path(config), set_ or [])
     if fmt is Format.json:
         stdout.print_json(
             json.dumps({"source": str(config), "valid": True, "error_count": 0, "errors": []})

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -62,7 +63,7 @@ _FLAGS = {
     "top_k": "--top-k",
     "max_new_tokens": "--max-new-tokens",
     "stop": "--stop",
-    "max_batch_size": "--batch-size",
+    "max_batch_size": "--max-batch-size",
     "engine": "--engine",
 }
 
@@ -433,15 +434,44 @@ def _use_chat_template(options: GenerateOptions, choice: ModelChoice) -> bool:
 # --- model and prompts ---------------------------------------------------------------------------
 
 
-def _device(wanted: str, engine: str) -> str:
+_CUDA = re.compile(r"cuda(?::(?P<index>[0-9]+))?")
+
+
+def resolve_device(wanted: str) -> str:
+    """--device as torch names it, for generate and serve alike: auto is cuda when torch sees a
+    GPU, else cpu; cpu, cuda and cuda:N are checked against what torch sees."""
     import torch
 
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if wanted == "auto" else wanted
-    if device == "cuda" and not torch.cuda.is_available():
+    if wanted == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if wanted == "cpu":
+        return wanted
+    match = _CUDA.fullmatch(wanted)
+    if match is None:
         raise RolloutError(
-            Issue("--device", "cuda was asked for but torch sees no CUDA GPU", hint="--device cpu")
+            Issue(
+                "--device", "must be auto, cpu, cuda or cuda:N", value=wanted, hint="--device auto"
+            )
         )
-    if engine == "vllm" and device != "cuda":
+    if not torch.cuda.is_available():
+        raise RolloutError(
+            Issue(
+                "--device",
+                f"{wanted} was asked for but torch sees no CUDA GPU",
+                hint="--device cpu (or auto)",
+            )
+        )
+    count = torch.cuda.device_count()
+    if match["index"] is not None and int(match["index"]) >= count:
+        raise RolloutError(
+            Issue("--device", f"torch sees {count} CUDA GPU(s): cuda:0 to cuda:{count - 1}")
+        )
+    return wanted
+
+
+def _device(wanted: str, engine: str) -> str:
+    device = resolve_device(wanted)
+    if engine == "vllm" and not device.startswith("cuda"):
         raise RolloutError(
             Issue(
                 "--engine",

@@ -33,6 +33,7 @@ from rollout.config.load import apply_overrides, read_config_file
 from rollout.config.model import BUILTIN_MODELS, ModelSection
 from rollout.config.root import RunConfig
 from rollout.config.rules import model_source_is_one
+from rollout.config.secrets import check_no_inline_credentials
 from rollout.config.validate import translate_errors
 from rollout.errors import ConfigError, Issue, PlanError, RolloutError
 from rollout.planner.definition import ModelFacts, Plan
@@ -127,7 +128,7 @@ def _choice(
     section: ModelSection, defaults: _Defaults, option: str | None, description: str
 ) -> ModelChoice:
     try:
-        facts = inspect_model(section, base_dir=defaults.base_dir)
+        facts = inspect_model_at(section, defaults.base_dir, option or "model")
     except PlanError as error:
         if option is None:
             raise
@@ -146,6 +147,18 @@ def _choice(
         seed=defaults.seed,
         description=description,
     )
+
+
+def inspect_model_at(section: ModelSection, base_dir: Path, option: str) -> ModelFacts:
+    """inspect_model, with a model that cannot be reached (a URL whose fsspec backend is not
+    installed, a refused connection, an unreadable file) reported at the option that named it:
+    an Issue, redacted like every other, never a traceback. Shared by generate and serve."""
+    try:
+        return inspect_model(section, base_dir=base_dir)
+    except (ImportError, OSError) as error:
+        raise RolloutError(
+            Issue(option, f"cannot read the model {_describe(section)} ({error})")
+        ) from None
 
 
 def _renamed(issue: Issue, option: str) -> Issue:
@@ -174,6 +187,10 @@ def model_source(value: str) -> dict[str, Any]:
         if value.startswith(f"{prefix}:"):
             return _source(**{prefix: value.removeprefix(f"{prefix}:")})
     if is_url(value):
+        try:
+            check_no_inline_credentials(value)
+        except ValueError as error:
+            raise RolloutError(Issue("--model", str(error), value=value)) from None
         return _source(path=value)
     path = Path(value).expanduser()
     if path.exists():

@@ -1,7 +1,9 @@
 """`rollout serve`: an OpenAI-compatible HTTP server over the embedded engine.
 
-protocol.py checks requests and shapes responses (OpenAI's wire format plus the `rollout`
-extension: token ids, log-probs, policy version); server.py is the HTTP server
-(standard library, threads, server-sent events); loading.py turns --config / --model /
---checkpoint into a loaded model behind an EngineService. See docs/serve.md.
+protocol.py checks requests into engine terms (every number against the engine's range, every
+size before its cost); responses.py shapes the answers (OpenAI's wire format plus the `rollout`
+extension: token ids, log-probs, policy version); wire.py is the HTTP/1.1 layer (every error as
+OpenAI's JSON, bodies read against a deadline); server.py routes and answers (standard library,
+threads, server-sent events); loading.py turns --config / --model / --checkpoint into a loaded
+model behind an EngineService. See docs/serve.md.
 """

@@ -20,11 +20,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from rollout.config.model import ModelSection
 from rollout.config.secrets import check_secret_ref
 from rollout.errors import Issue, RolloutError
-from rollout.serve.protocol import Defaults, ModelInfo
+from rollout.serve.protocol import MAX_TOKEN_CHARS, Defaults, ModelInfo
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class ServeSource:
     defaults: Defaults
     max_batch_size: int | None = None
     policy_version: int = 0
+    option: str = "--model"
+    """The option that named the model, where its problems are reported."""
 
 
 def resolve_source(
@@ -61,14 +64,21 @@ def resolve_source(
         return _from_config(config, name)
     if model is not None:
         section = _model_section(model)
-        default_name = section.builtin or section.package or Path(model).name
+        # A URL's name is the last part of its path: its query may hold a signature or a token.
+        where = urlsplit(model).path if "://" in model else model
+        default_name = section.builtin or section.package or Path(where).name
         return ServeSource(section, Path.cwd(), name or default_name, Defaults())
     assert checkpoint is not None
     step_dir = _checkpoint_dir(checkpoint)
     section = ModelSection(path=str(step_dir / "model"))
     default_name = f"{step_dir.parent.parent.name}/{step_dir.name}"
     return ServeSource(
-        section, Path.cwd(), name or default_name, Defaults(), policy_version=_step(step_dir)
+        section,
+        Path.cwd(),
+        name or default_name,
+        Defaults(),
+        policy_version=_step(step_dir),
+        option="--checkpoint",
     )
 
 
@@ -189,11 +199,11 @@ def load_served(
     """Load the model and start an EngineService: (ServedModel, the service)."""
     from rollout.engines.hf import HfEngine
     from rollout.engines.service import EngineService
-    from rollout.planner.inspect_model import inspect_model
+    from rollout.inference.models import inspect_model_at
     from rollout.runtime.models import load_model
     from rollout.serve.server import ServedModel
 
-    facts = inspect_model(source.section, base_dir=source.base_dir)
+    facts = inspect_model_at(source.section, source.base_dir, source.option)
     if dtype == "auto":
         dtype = source.section.dtype
     if dtype == "auto":
@@ -222,13 +232,21 @@ def load_served(
             )
         )
 
+    context = engine.context_length
+
+    def encode(text: str) -> list[int]:
+        # Past context + 1 tokens the count no longer matters: the prompt is refused either way.
+        limit = {"truncation": True, "max_length": context + 1} if context else {}
+        return list(tokenizer.encode(text, add_special_tokens=True, **limit))
+
     info = ModelInfo(
         name=source.name,
-        context_length=engine.context_length,
+        context_length=context,
         vocab_size=loaded.model.config.vocab_size,
-        encode=lambda text: list(tokenizer.encode(text, add_special_tokens=True)),
+        encode=encode,
         chat_encode=chat_encode if template else None,
         defaults=source.defaults,
+        max_token_chars=max_token_chars(tokenizer),
     )
     service = EngineService(engine)
 
@@ -238,6 +256,17 @@ def load_served(
         return tokenizer.decode([token_id])
 
     return ServedModel(info, service, token_text, created=int(time.time()))
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """Characters one token covers at most: its longest vocabulary entry (a byte-level BPE entry
+    has a character per byte, a SentencePiece one a character per character), and never under
+    MAX_TOKEN_CHARS, whose margin covers normalizers that merge characters."""
+    try:
+        longest = max((len(entry) for entry in tokenizer.get_vocab()), default=0)
+    except (AttributeError, NotImplementedError, TypeError):
+        longest = 0
+    return max(MAX_TOKEN_CHARS, longest)
 
 
 def _from_config(path: Path, name: str | None) -> ServeSource:
@@ -260,6 +289,7 @@ def _from_config(path: Path, name: str | None) -> ServeSource:
         name or default_name,
         defaults,
         max_batch_size=generation.max_batch_size,
+        option="model",
     )
 
 

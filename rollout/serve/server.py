@@ -7,10 +7,17 @@ chunked HTTP/1.1 response, each prompt's chunks sent as its tokens come. A clien
 while streaming, a closed socket while waiting. Every bad request gets a 4xx in OpenAI's error
 shape and the server carries on; only a bug in the server itself gives a 500.
 
+Every answer is JSON, the standard library's own refusals included (wire.py): a known route
+asked with another standard method gets 405, an unknown path 404, an unknown method 501, and a
+body read against a deadline (408 when it stalls). Nothing a client sends prints a traceback:
+a client that vanished mid-answer is logged at debug level; a traceback on stderr means a bug in
+the server (the 500 path).
+
 Security: an API key, when set, is checked on every route (401 otherwise); the CLI binds only a
 loopback address without one. With an ssl.SSLContext the listening socket is wrapped and every
 connection speaks TLS (its handshake runs in the connection's thread, not the accepting one).
 Request bodies are capped at MAX_BODY_BYTES and idle connections time out after IDLE_TIMEOUT_S.
+Log lines and error bodies pass through redact_text: a path or header may carry a credential.
 
 stop() is the graceful shutdown: no new connections, idle keep-alive connections closed,
 requests in flight answered in full, then the engine thread stopped.
@@ -25,10 +32,11 @@ import logging
 import select
 import socket
 import ssl
+import sys
 import threading
+import time
 from dataclasses import dataclass
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 from rollout.engines.base import Completion
@@ -39,24 +47,26 @@ from rollout.engines.service import (
     ServiceClosed,
     merge_events,
 )
-from rollout.serve.protocol import (
+from rollout.redact import redact_text
+from rollout.serve.protocol import ApiError, GenerationRequest, ModelInfo, parse_request, per_prompt
+from rollout.serve.responses import (
     OPENAI_FINISH,
-    ApiError,
-    GenerationRequest,
-    ModelInfo,
     envelope,
     logprobs_body,
-    parse_request,
-    per_prompt,
     response_id,
     rollout_fields,
     usage,
 )
+from rollout.serve.wire import BODY_TIMEOUT_S, MAX_BODY_BYTES, JsonHandler
+
+__all__ = ["BODY_TIMEOUT_S", "MAX_BODY_BYTES", "OpenAIServer", "ServedModel"]
 
 log = logging.getLogger("rollout.serve")
 
-MAX_BODY_BYTES = 8 << 20
 IDLE_TIMEOUT_S = 60.0
+LINGER_S = 2.0
+"""How long a closed connection still reads (and drops) what its client sends: see
+OpenAIServer.shutdown_request."""
 DISCONNECT_POLL_S = 0.1
 """How often a connection waiting for a non-streamed answer checks that its client is there."""
 
@@ -87,10 +97,13 @@ class OpenAIServer(ThreadingHTTPServer):
         *,
         api_key: str | None,
         tls: ssl.SSLContext | None = None,
+        body_timeout_s: float = BODY_TIMEOUT_S,
     ):
-        """`tls`: serve HTTPS with this server-side context (rollout.serve.loading.tls_context)."""
+        """`tls`: serve HTTPS with this server-side context (rollout.serve.loading.tls_context).
+        `body_timeout_s`: how long a request body may stall before the request gets 408."""
         self.model = model
         self.api_key = api_key
+        self.body_timeout_s = body_timeout_s
         self.stopping = False
         self._connections: dict[_Handler, bool] = {}  # handler -> busy with a request
         self._connections_lock = threading.Lock()
@@ -120,6 +133,34 @@ class OpenAIServer(ThreadingHTTPServer):
         self.server_close()  # joins the connection threads
         self.model.service.close()
 
+    def shutdown_request(self, request: Any) -> None:
+        """Close a connection the way HTTP servers must (a lingering close): stop sending, then
+        read and drop whatever the client still sends, until it closes or LINGER_S pass. Closed
+        with unread bytes, the socket would send a TCP reset, and a client still sending a body
+        the server refused (413, 408) would lose the answer to it."""
+        try:
+            request.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        else:
+            deadline = time.monotonic() + LINGER_S
+            with contextlib.suppress(OSError, ValueError):
+                while (left := deadline - time.monotonic()) > 0:
+                    request.settimeout(left)
+                    if not request.recv(1 << 16):
+                        break
+        self.close_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """What escaped a connection's handler: socketserver prints its traceback to stderr. A
+        client that went away (reset, broken pipe, timeout, TLS alert) is routine; anything else
+        is a bug, and says so."""
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):
+            log.debug("connection from %s ended: %r", client_address[0], error)
+        else:
+            log.exception("connection from %s failed", client_address[0])
+
     def _track(self, handler: _Handler, busy: bool | None) -> None:
         with self._connections_lock:
             if busy is None:
@@ -128,14 +169,21 @@ class OpenAIServer(ThreadingHTTPServer):
                 self._connections[handler] = busy
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = "rollout"
+ROUTES = {
+    "/v1/models": "GET",
+    "/v1/completions": "POST",
+    "/v1/chat/completions": "POST",
+}
+"""path -> the one method it takes."""
+
+
+class _Handler(JsonHandler):
     timeout = IDLE_TIMEOUT_S
     server: OpenAIServer
 
     def setup(self) -> None:
         super().setup()
+        self.body_timeout_s = self.server.body_timeout_s
         self.server._track(self, False)
 
     def finish(self) -> None:
@@ -167,45 +215,47 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s " + format, self.address_string(), *args)
+        log.debug("%s %s", self.address_string(), redact_text(format % args))
 
-    def do_GET(self) -> None:
-        self._dispatch("GET")
-
-    def do_POST(self) -> None:
-        self._dispatch("POST")
-
-    def do_PUT(self) -> None:
-        self._dispatch("PUT")
-
-    def do_DELETE(self) -> None:
-        self._dispatch("DELETE")
+    def _closing(self) -> bool:
+        return self.server.stopping
 
     # --- routing -------------------------------------------------------------------------------
+
+    def _route(self) -> None:
+        """Every standard method comes here (an unknown one gets 501 from the standard library):
+        a known path asked with the wrong one gets 405, not 501."""
+        self._dispatch(self.command)
+
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _route
+    do_HEAD = do_OPTIONS = do_TRACE = do_CONNECT = _route
 
     def _dispatch(self, method: str) -> None:
         try:
             self._check_key()
             path = self.path.split("?", 1)[0].rstrip("/")
-            routes = {
-                "/v1/models": ("GET", self._models),
-                "/v1/completions": ("POST", lambda: self._generate("completion")),
-                "/v1/chat/completions": ("POST", lambda: self._generate("chat")),
-            }
-            if path not in routes:
-                self._read_body()  # keep the connection usable
-                raise ApiError(404, f"no route {path!r}", code="not_found")
-            wanted, route = routes[path]
+            wanted = ROUTES.get(path)
+            if wanted is None:
+                self.read_body()  # keep the connection usable
+                raise ApiError(404, f"no route {path[:200]!r}", code="not_found")
             if method != wanted:
-                self._read_body()
-                raise ApiError(405, f"{path} takes {wanted}, not {method}")
-            route()
+                self.read_body()
+                self.send_json(
+                    405,
+                    ApiError(405, f"{path} takes {wanted}, not {method}").body(),
+                    headers={"Allow": wanted},
+                )
+                return
+            if path == "/v1/models":
+                self._models()
+            else:
+                self._generate("chat" if path == "/v1/chat/completions" else "completion")
         except ApiError as error:
-            self._send_json(error.status, error.body())
+            self.send_json(error.status, error.body())
         except Exception:
-            log.exception("internal error on %s %s", method, self.path)
+            log.exception("internal error on %s %s", method, redact_text(self.path[:200]))
             error = ApiError(500, "internal server error", type="server_error")
-            self._send_json(500, error.body())
+            self.send_json(500, error.body())
 
     def _check_key(self) -> None:
         key = self.server.api_key
@@ -215,7 +265,7 @@ class _Handler(BaseHTTPRequestHandler):
         if not given.startswith("Bearer ") or not hmac.compare_digest(
             given[len("Bearer ") :].encode(), key.encode()
         ):
-            self._read_body()
+            self.read_body()
             raise ApiError(
                 401,
                 "missing or wrong API key: send it as 'Authorization: Bearer <key>'",
@@ -224,7 +274,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _models(self) -> None:
         model = self.server.model
-        self._send_json(
+        self.send_json(
             200,
             {
                 "object": "list",
@@ -241,11 +291,12 @@ class _Handler(BaseHTTPRequestHandler):
         )
 
     def _generate(self, kind: str) -> None:
-        body = self._read_body()
+        body = self.read_body()
         try:
             payload = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ApiError(400, f"the body is not valid JSON: {error}") from None
+        # ValueError: also an integer over 4300 digits; RecursionError: arrays nested too deep.
+        except (ValueError, RecursionError) as error:
+            raise ApiError(400, f"the body is not valid JSON: {str(error)[:200]}") from None
         model = self.server.model
         request = parse_request(kind, payload, model.info)  # type: ignore[arg-type]
         handles = self._submit(request)
@@ -299,7 +350,7 @@ class _Handler(BaseHTTPRequestHandler):
                 choices.append(choice)
         body["choices"] = choices
         body["usage"] = usage(request.prompts, [c for cs in results for c in cs])
-        self._send_json(200, body)
+        self.send_json(200, body)
 
     def _stream(self, request: GenerationRequest, handles: list[RequestHandle]) -> None:
         kind, model = request.kind, self.server.model
@@ -370,36 +421,6 @@ class _Handler(BaseHTTPRequestHandler):
         return chunk
 
     # --- wire ----------------------------------------------------------------------------------
-
-    def _read_body(self) -> bytes:
-        if "Transfer-Encoding" in self.headers:
-            self.close_connection = True
-            raise ApiError(411, "send the body with a Content-Length, not chunked")
-        try:
-            length = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            self.close_connection = True
-            raise ApiError(400, "Content-Length is not a number") from None
-        if length < 0 or length > MAX_BODY_BYTES:
-            self.close_connection = True
-            raise ApiError(413, f"the body is over {MAX_BODY_BYTES} bytes")
-        return self.rfile.read(length) if length else b""
-
-    def _send_json(self, status: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status, HTTPStatus(status).phrase)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        if status == 401:
-            self.send_header("WWW-Authenticate", "Bearer")
-        if self.close_connection or self.server.stopping:
-            self.send_header("Connection", "close")
-            self.close_connection = True
-        self.end_headers()
-        try:
-            self.wfile.write(data)
-        except OSError:
-            self.close_connection = True
 
     def _event(self, data: dict[str, Any] | str) -> None:
         text = data if isinstance(data, str) else json.dumps(data)

@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -182,18 +184,53 @@ def test_generate_from_a_runs_checkpoint_by_path_and_by_run_id(work, base_config
 # --- resuming -------------------------------------------------------------------------------------
 
 
-PROMPTS = 600
+PROMPTS = 24
+HOLD_AFTER = 10
 MANY = [{"prompt": f"Count to {i}.", "n": i} for i in range(PROMPTS)]
-JOB = ("--prompts", "many.jsonl", *TINY, "--n", "2", "--batch-size", "2", "--seed", "5")
-"""600 prompts, one per chunk of 2 completions: a few seconds of generation even on an idle
-machine (120 took 0.7 s, finishing before a signal sent at the tenth could arrive)."""
+JOB = ("--prompts", "many.jsonl", *TINY, "--n", "2", "--max-batch-size", "4", "--seed", "5")
+"""24 prompts, 2 per chunk of 4 completions: 12 chunks, of which the resumed run writes 7."""
+
+HELD = f"""
+import sys, time
+from pathlib import Path
+from rollout.engines.hf import HfEngine
+
+generate, chunks = HfEngine.generate, []
+
+def held(self, prompts, params):
+    chunks.append(len(prompts))
+    if len(chunks) > {HOLD_AFTER // 2}:  # a chunk being sampled: the test's signal comes now
+        Path("held").touch()
+        time.sleep(120)
+    return generate(self, prompts, params)
+
+HfEngine.generate = held
+from rollout.cli.app import main
+sys.argv = ["rollout", *sys.argv[1:]]
+main()
+"""
+"""`rollout generate` whose engine stops on the chunk after the first HOLD_AFTER prompts (2 a
+chunk), so that a signal always lands mid-job, while a chunk is sampled, however fast the
+machine."""
+
+
+@contextmanager
+def held_job(work: Path, cache: Path) -> Iterator[subprocess.Popen]:
+    """`rollout generate` of JOB into out.jsonl, in its own process, held mid-job (killed on the
+    way out if the test has not ended it)."""
+    process = start(work, cache)
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=60)
 
 
 def start(work: Path, cache: Path) -> subprocess.Popen:
-    """`rollout generate` of JOB into out.jsonl, in its own process."""
     env = {**os.environ, "ROLLOUT_CACHE": str(cache), "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
     return subprocess.Popen(
-        [sys.executable, "-m", "rollout", "generate", *JOB, "--out", "out.jsonl"],
+        [sys.executable, "-c", HELD, "generate", *JOB, "--out", "out.jsonl"],
         cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         # A shell that runs the tests in the background starts them with SIGINT ignored, and
         # Python then installs no KeyboardInterrupt handler: give the job Ctrl-C back.
@@ -205,27 +242,21 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def wait_for_progress(out: Path, at_least: int, process: subprocess.Popen) -> int:
-    """Prompts done once the progress file says at least `at_least` (the process still running)."""
+def wait_until_held(work: Path, process: subprocess.Popen) -> int:
+    """Prompts done once the job is held (the process still running), as its progress says."""
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+    while not (work / "held").exists():
         assert process.poll() is None, process.communicate()[0]
-        try:
-            done = json.loads(progress_path(out).read_text())["prompts_done"]
-        except (FileNotFoundError, json.JSONDecodeError):
-            done = 0
-        if done >= at_least:
-            return done
-        time.sleep(0.005)
-    raise AssertionError("no progress")
+        assert time.monotonic() < deadline, "the job never got to its hold"
+        time.sleep(0.01)
+    return json.loads(progress_path(work / "out.jsonl").read_text())["prompts_done"]
 
 
-def finish_and_compare(work: Path, cache: Path) -> None:
+def finish_and_compare(work: Path) -> None:
     """Run the job to its end; it must hold what an uninterrupted run writes, byte for byte."""
-    last = start(work, cache)
-    output = last.communicate(timeout=300)[0]
-    assert last.returncode == 0, output
-    assert "resuming after" in output
+    code, output = generate(*JOB, "--out", "out.jsonl")
+    assert code == 0, output
+    assert f"resuming after {HOLD_AFTER} done" in output
     resumed = read_jsonl(work / "out.jsonl")
     keys = [(r["prompt_index"], r["sample_index"]) for r in resumed]
     assert keys == [(p, s) for p in range(PROMPTS) for s in range(2)]  # none missing or twice
@@ -236,28 +267,61 @@ def finish_and_compare(work: Path, cache: Path) -> None:
 
 
 def test_resume_after_sigkill_loses_and_repeats_nothing(work, cache):
+    """SIGKILL while a chunk is sampled; a kill can also land while a chunk is being written,
+    leaving half a record after the last durable chunk: the resumed run cuts it off."""
     Path("many.jsonl").write_text("".join(json.dumps(r) + "\n" for r in MANY))
     out = work / "out.jsonl"
-    first = start(work, cache)
-    killed_at = wait_for_progress(out, 10, first)
-    first.kill()  # SIGKILL: no handler runs; a chunk may be half-written
-    first.wait(timeout=60)
-    assert killed_at < PROMPTS, "the job finished before it could be killed"
-    finish_and_compare(work, cache)
+    with held_job(work, cache) as first:
+        killed_at = wait_until_held(work, first)
+        first.kill()  # SIGKILL: no handler runs
+        first.wait(timeout=60)
+    assert killed_at == HOLD_AFTER
+    with out.open("ab") as torn:
+        torn.write(b'{"prompt_index": 10, "sample_index": 0, "prom')
+    finish_and_compare(work)
 
 
-@pytest.mark.slow
-def test_ctrl_c_stops_after_the_last_chunk_and_resumes(work, cache):
+def test_ctrl_c_stops_at_once_and_resumes(work, cache):
+    """SIGINT while a chunk is sampled: that chunk is dropped, every earlier one is kept."""
     Path("many.jsonl").write_text("".join(json.dumps(r) + "\n" for r in MANY))
     out = work / "out.jsonl"
-    first = start(work, cache)
-    wait_for_progress(out, 10, first)
-    first.send_signal(signal.SIGINT)
-    output = first.communicate(timeout=60)[0]
+    with held_job(work, cache) as first:
+        assert wait_until_held(work, first) == HOLD_AFTER
+        first.send_signal(signal.SIGINT)
+        output = first.communicate(timeout=60)[0]
     assert first.returncode == 130, output
-    assert "interrupted" in output and "run the same command again to continue" in output
-    assert 10 <= json.loads(progress_path(out).read_text())["prompts_done"] < PROMPTS
-    finish_and_compare(work, cache)
+    assert f"interrupted: {HOLD_AFTER} of {PROMPTS} prompts are in out.jsonl" in output
+    assert "run the same command again to continue" in output
+    assert json.loads(progress_path(out).read_text())["prompts_done"] == HOLD_AFTER
+    finish_and_compare(work)
+
+
+def test_max_batch_size_sizes_the_engines_decode_batch(work, monkeypatch):
+    """--max-batch-size (serve's name and the config's generation.max_batch_size; --batch-size
+    is the same option) is the engine's decode width and the completions of a chunk."""
+    from rollout.engines.hf import HfEngine
+
+    widths, chunks = [], []
+    init, sample = HfEngine.__init__, HfEngine.generate
+
+    def spy_init(self, *args, **kwargs):
+        widths.append(kwargs["max_batch_size"])
+        init(self, *args, **kwargs)
+
+    def spy_generate(self, prompts, params):
+        chunks.append(len(prompts) * params.n)
+        return sample(self, prompts, params)
+
+    monkeypatch.setattr(HfEngine, "__init__", spy_init)
+    monkeypatch.setattr(HfEngine, "generate", spy_generate)
+    job = ("--prompts", "prompts.jsonl", *TINY, "--n", "2", "--limit", "5")
+    code, output = generate(*job, "--max-batch-size", "6", "--out", "a.jsonl")
+    assert code == 0, output
+    assert widths == [6] and chunks == [6, 4]  # 3 prompts x 2 samples, then the 2 left
+    assert json.loads(progress_path(Path("a.jsonl")).read_text())["settings"]["batch_size"] == 6
+    code, output = generate(*job, "--batch-size", "6", "--out", "b.jsonl")
+    assert code == 0, output
+    assert widths == [6, 6] and Path("a.jsonl").read_bytes() == Path("b.jsonl").read_bytes()
 
 
 # --- mistakes -> exit 2 ---------------------------------------------------------------------------

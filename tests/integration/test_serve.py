@@ -29,7 +29,7 @@ from rollout.serve.loading import load_served, resolve_source, tls_context
 from rollout.serve.server import OpenAIServer
 
 # test_run_grpo's run-making helpers and its workdir fixture (a copy of examples/).
-from tests.integration.test_run_grpo import environment, only_run, rollout, workdir  # noqa: F401
+from tests.integration.driver import environment, only_run, rollout
 
 MODEL = "tiny-llama"
 WAIT_S = 60
@@ -633,7 +633,7 @@ def test_a_checkpoint_is_served_with_its_step_as_policy_version(tiny, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_trained_run_is_served_by_its_run_id_over_https(workdir):  # noqa: F811 (the fixture)
+def test_a_trained_run_is_served_by_its_run_id_over_https(workdir):
     """`rollout run` trains two steps; `rollout serve --checkpoint <run-id>` finds the run in the
     store and serves its last checkpoint, whose step is the completions' policy version."""
     trained = rollout(

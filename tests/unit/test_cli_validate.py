@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from rollout.cli.app import app
@@ -72,3 +74,23 @@ def test_user_errors_never_show_a_traceback(tmp_path):
 def test_version():
     result = runner.invoke(app, ["--version"])
     assert result.exit_code == 0 and result.output.startswith("rollout ")
+
+
+def test_a_bug_gets_one_line_and_its_traceback_a_file(monkeypatch, capsys):
+    """Not a user mistake (no RolloutError): still no traceback on the terminal."""
+    from rollout.cli import app as cli
+
+    def broken() -> None:
+        raise RuntimeError("boom at https://u:Canary5ecret@host/x")
+
+    monkeypatch.setattr(cli, "app", broken)
+    monkeypatch.delenv(cli.DEBUG_ENV, raising=False)
+    with pytest.raises(SystemExit) as exited:
+        cli.main()
+    assert exited.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("rollout: internal error: RuntimeError: boom at https://u:***@host/x")
+    assert "Traceback" not in err and "Canary5ecret" not in err
+    saved = err.split("the traceback is in ")[1].split("\n")[0]
+    text = Path(saved).read_text(encoding="utf-8")
+    assert "Traceback" in text and "broken" in text and "Canary5ecret" not in text
