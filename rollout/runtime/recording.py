@@ -1,9 +1,15 @@
 """What every training loop reports across ranks, written by rank 0 (through the background
 writer, off the hot path): step metrics averaged over ranks, evaluation means over every rank's
-samples, and per-rank state gathered for a checkpoint."""
+samples, and per-rank state gathered for a checkpoint.
+
+`logging.interval` thins the training steps' rows only: a step is recorded every `interval`
+steps, and always when it is the last step, an evaluation step or a checkpoint step, so the
+metrics of every checkpoint and of the run's end are there. Evaluation means are always recorded.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +19,10 @@ import torch.distributed as dist
 from rollout.runtime.checkpoint import rng_state
 from rollout.runtime.transport import all_gather_json
 
+progress = logging.getLogger("rollout.progress")
+
 if TYPE_CHECKING:
+    from rollout.planner.definition import Plan
     from rollout.runtime.worker import WorkerContext
     from rollout.storage.writer import BackgroundWriter
 
@@ -22,14 +31,51 @@ def record_metrics(
     ctx: WorkerContext, writer: BackgroundWriter, step: int, metrics: Mapping[str, float]
 ) -> None:
     """Average metrics over ranks (each rank's are over equal shares of the step); rank 0
-    writes them."""
+    writes them when `step` is recorded (`records_step`)."""
     values = dict(metrics)
+    # Reduced on every step, recorded or not: rank 0 alone also records the step a stop will
+    # checkpoint, and a collective that only some ranks enter would hang.
     if ctx.world_size > 1:
         names = sorted(values)
         totals = _sum_over_ranks([values[n] for n in names])
         values = {name: total / ctx.world_size for name, total in zip(names, totals, strict=True)}
-    if ctx.is_main:
+    # A stop already asked for checkpoints this step next: its metrics belong with it.
+    if ctx.is_main and (records_step(ctx.plan, step) or ctx.stop.is_set()):
         writer.write_metrics(ctx.plan.run_id, step, values)
+        if step > 0:  # step 0 is the evaluation before training
+            progress.info("%s", step_line(step, ctx.plan.derived.total_steps, values))
+
+
+# What a step's log line shows, in this order, when the step has it (online runs a reward,
+# offline runs a loss and accuracy).
+_STEP_LINE = (
+    ("reward/mean", "reward {:.4g}"),
+    ("train/loss", "loss {:.4g}"),
+    ("train/accuracy", "accuracy {:.3g}"),
+    ("train/kl", "kl {:.3g}"),
+    ("perf/step_s", "{:.2f} s/step"),
+    ("perf/tokens_per_s", "{:.0f} tok/s"),
+)
+
+
+def step_line(step: int, total: int, values: Mapping[str, float]) -> str:
+    """One line of progress for the run store, so `rollout logs tail` shows how a run goes."""
+    shown = [layout.format(values[name]) for name, layout in _STEP_LINE if name in values]
+    return f"step {step}/{total}: " + ", ".join(shown)
+
+
+def records_step(plan: Plan, step: int) -> bool:
+    """Whether step `step`'s training metrics are recorded under `logging.interval`: every
+    `interval` steps (and step 0, the evaluation before training), the last step, evaluation
+    steps and checkpoint steps."""
+    config = plan.config
+    eval_interval = config.run.eval_interval
+    return (
+        step % config.logging.interval == 0
+        or step == plan.derived.total_steps
+        or step % config.checkpoint.interval == 0
+        or (eval_interval is not None and step % eval_interval == 0)
+    )
 
 
 def record_means(

@@ -7,6 +7,10 @@ drains the queue, and writes each batch in one transaction, every `flush_interva
 
 If a write fails, the writer stops writing, keeps the error, and `flush()` and `close()` raise it
 (as `WriterError`) from then on: rows are never lost silently.
+
+Metric sinks (the [logging] trackers) see every metric row after the run store has it: the thread
+hands each transaction's rows to every sink, and closes the sinks when it stops, on every path. A
+sink that raises is dropped with a warning; the run store never waits on a sink's failure.
 """
 
 from __future__ import annotations
@@ -15,17 +19,36 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from rollout.redact import redact_text
 from rollout.storage.base import CheckpointRecord, LogLevel, LogRow, MetricRecord, RunStore
 
 _STOP = object()
 _LIVENESS_CHECK_S = 0.1
 
+log = logging.getLogger("rollout.storage.writer")
+
 
 class WriterError(RuntimeError):
     """The background writer could not write to the run store; rows after the failure were lost."""
+
+
+class MetricSink(Protocol):
+    """Receives every metric row once the run store has it (a tracker, say).
+
+    Both methods run on the writer's thread: `log` after each transaction, with the rows it
+    wrote, so it must return quickly (hand slow work to a thread of its own); `close` once, when
+    the writer stops. What a sink logs while closing is still written to the store.
+    """
+
+    name: str
+
+    def log(self, rows: Sequence[MetricRecord]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -72,8 +95,10 @@ class BackgroundWriter:
         *,
         flush_interval_s: float = 0.5,
         max_batch: int = 500,
+        sinks: Sequence[MetricSink] = (),
     ) -> None:
         self._open_store = open_store
+        self._sinks = list(sinks)
         self._flush_interval_s = flush_interval_s
         self._max_batch = max_batch
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -113,7 +138,8 @@ class BackgroundWriter:
         self._put(CheckpointRecord(run_id, step, location, time.time()))
 
     def _put(self, item: object) -> None:
-        if self._closed:
+        # While closing, the thread still takes what its sinks log (they close on that thread).
+        if self._closed and not self._thread.is_alive():
             raise RuntimeError("the run store writer is closed")
         self._queue.put(item)
 
@@ -154,12 +180,49 @@ class BackgroundWriter:
                 while not batch.stop:
                     batch = self._collect()
                     batch.write(store)
+                    self._feed_sinks(batch.metrics)
                     _release(batch)
+                self._close_sinks()
+                self._write_late_rows(store)
             finally:
                 store.close()
         except BaseException as error:  # kept for flush()/close(), whatever it was
             self._error = error
             _release(batch)
+        finally:
+            self._close_sinks()  # when the store failed: the trackers still end cleanly
+
+    def _feed_sinks(self, metrics: list[MetricRecord]) -> None:
+        if not metrics:
+            return
+        rows = tuple(metrics)  # one read-only batch for every sink
+        for sink in list(self._sinks):
+            try:
+                sink.log(rows)
+            except Exception as error:
+                self._sinks.remove(sink)
+                log.warning("metric sink %s failed and is dropped: %r", sink.name, error)
+                _close_sink(sink)
+
+    def _close_sinks(self) -> None:
+        sinks, self._sinks = self._sinks, []
+        for sink in sinks:
+            _close_sink(sink)
+
+    def _write_late_rows(self, store: RunStore) -> None:
+        """Write what was queued after the stop: what the sinks logged while closing."""
+        batch = _Batch()
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, threading.Event):
+                batch.flushed.append(item)
+            elif item is not _STOP:
+                batch.add(item)
+        batch.write(store)
+        _release(batch)
 
     def _collect(self) -> _Batch:
         """Block for a first item, then gather until the interval ends, the batch is full, or a
@@ -186,6 +249,13 @@ class BackgroundWriter:
 def _release(batch: _Batch) -> None:
     for event in batch.flushed:
         event.set()
+
+
+def _close_sink(sink: MetricSink) -> None:
+    try:
+        sink.close()
+    except Exception as error:
+        log.warning("metric sink %s failed to close: %r", sink.name, error)
 
 
 _LEVELS: tuple[tuple[int, LogLevel], ...] = (
@@ -216,7 +286,7 @@ class StoreLogHandler(logging.Handler):
                 store_level(record.levelno),
                 self.rank,
                 self.role,
-                self.format(record),
+                redact_text(self.format(record)),
                 time_s=record.created,
             )
         except Exception:

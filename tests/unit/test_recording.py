@@ -1,6 +1,7 @@
 """Metrics across ranks: step metrics are averaged over ranks, evaluation metrics are means over
 every rank's samples, however unevenly the ranks shared them. Two ranks are two threads here,
-reduced through a stand-in for torch.distributed.all_reduce."""
+reduced through a stand-in for torch.distributed.all_reduce. And logging.interval: which training
+steps are recorded."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from rollout.runtime import recording
-from rollout.runtime.recording import record_means, record_metrics
+from rollout.runtime.recording import record_means, record_metrics, records_step
 
 
 class Writer:
@@ -38,9 +39,29 @@ class ThreadGroup:
         tensor.copy_(total)
 
 
-def context(rank: int, world: int) -> SimpleNamespace:
+def plan(
+    *,
+    interval: int = 1,
+    total: int = 10,
+    checkpoint: int = 50,
+    eval_interval: int | None = None,
+) -> SimpleNamespace:
+    """What recording reads of a plan."""
+    config = SimpleNamespace(
+        logging=SimpleNamespace(interval=interval),
+        checkpoint=SimpleNamespace(interval=checkpoint),
+        run=SimpleNamespace(eval_interval=eval_interval),
+    )
+    return SimpleNamespace(run_id="run", config=config, derived=SimpleNamespace(total_steps=total))
+
+
+def context(rank: int, world: int, **plan_options) -> SimpleNamespace:
     return SimpleNamespace(
-        rank=rank, world_size=world, is_main=rank == 0, plan=SimpleNamespace(run_id="run")
+        rank=rank,
+        world_size=world,
+        is_main=rank == 0,
+        plan=plan(**plan_options),
+        stop=threading.Event(),
     )
 
 
@@ -123,3 +144,63 @@ def test_evaluate_returns_sums_and_the_number_of_rows(rows):
     # Each completion is its prompt's length: the sums of 1, 2, 3 (and weighted by 0.5).
     total = float(sum(range(1, rows + 1)))
     assert (sums, count) == ({"eval/length": total, "eval/reward": 0.5 * total}, rows)
+
+
+# --- logging.interval
+
+
+def test_interval_records_every_nth_step_and_the_steps_that_must_be_there():
+    # interval 3 over 10 steps, checkpoints every 4, evaluation every 5: multiples of 3, then
+    # 4 and 8 (checkpoints), 5 (evaluation) and 10 (the last step); 0 is the evaluation before.
+    thinned = plan(interval=3, total=10, checkpoint=4, eval_interval=5)
+    assert [s for s in range(11) if records_step(thinned, s)] == [0, 3, 4, 5, 6, 8, 9, 10]
+    assert all(records_step(plan(), s) for s in range(11))  # the default records every step
+
+
+def test_record_metrics_skips_the_steps_between_intervals():
+    writer = Writer()
+    ctx = context(0, 1, interval=4, total=10)
+    for step in range(1, 11):
+        record_metrics(ctx, writer, step, {"train/loss": float(step)})
+    assert [step for step, _ in writer.written] == [4, 8, 10]
+    record_means(ctx, writer, 7, {"eval/reward": 1.0}, 1)  # evaluation: always
+    assert writer.written[-1] == (7, {"eval/reward": 1.0})
+
+
+def test_a_step_a_stop_will_checkpoint_is_recorded():
+    writer = Writer()
+    ctx = context(0, 1, interval=4, total=10)
+    ctx.stop.set()  # asked during step 5: the loop checkpoints step 5 next
+    record_metrics(ctx, writer, 5, {"train/loss": 0.5})
+    assert writer.written == [(5, {"train/loss": 0.5})]
+
+
+def test_skipped_steps_still_reduce_on_every_rank(monkeypatch):
+    # Rank 0 records step 3 (a stop is coming), rank 1 would not: both must enter the collective.
+    def rank0(ctx, w):
+        ctx.stop.set()
+        record_metrics(ctx, w, 3, {"train/loss": 1.0})
+
+    def rank1(ctx, w):
+        record_metrics(ctx, w, 3, {"train/loss": 3.0})
+
+    monkeypatch.setattr(recording.dist, "all_reduce", ThreadGroup(2).all_reduce)
+    writer = Writer()
+    with ThreadPoolExecutor(2) as pool:
+        futures = [
+            pool.submit(call, context(rank, 2, interval=10), writer)
+            for rank, call in enumerate((rank0, rank1))
+        ]
+        for future in futures:
+            future.result()
+    assert writer.written == [(3, {"train/loss": 2.0})]
+
+
+def test_a_step_line_shows_what_the_step_has_in_a_fixed_order():
+    from rollout.runtime.recording import step_line
+
+    online = {"perf/step_s": 1.234, "reward/mean": 0.41234, "train/loss": 0.0123, "x": 1.0}
+    assert step_line(3, 20, online) == "step 3/20: reward 0.4123, loss 0.0123, 1.23 s/step"
+    assert step_line(1, 2, {"train/loss": 2.5, "train/accuracy": 0.5}) == (
+        "step 1/2: loss 2.5, accuracy 0.5"
+    )

@@ -195,3 +195,87 @@ def test_log_handler_sends_formatted_records():
     assert message == "rollout.test_writer: step 7 done"
     assert abs(created - time.time()) < 60
     assert rows[1][2] == "error" and "ValueError: boom" in rows[1][5]
+
+
+# --- metric sinks
+
+
+class Sink:
+    """Records what it is given; optionally fails, or logs while closing."""
+
+    def __init__(self, name="sink", *, fail: Exception | None = None, logger=None):
+        self.name = name
+        self.batches: list[tuple] = []
+        self.closed = 0
+        self.fail = fail
+        self.logger = logger
+
+    def log(self, rows):
+        self.batches.append(rows)
+        if self.fail:
+            raise self.fail
+
+    def close(self):
+        self.closed += 1
+        if self.logger is not None:
+            self.logger.warning("closing %s", self.name)
+
+
+def test_sinks_get_each_transactions_metrics_after_the_store_and_are_closed():
+    store = RecordingStore()
+    sink = Sink()
+    with BackgroundWriter(lambda: store, flush_interval_s=SLOW, sinks=[sink]) as writer:
+        writer.write_metrics("r", 1, {"loss": 0.5, "reward": 1})
+        writer.write_log("r", "info", 0, "learner", "not a metric")
+        writer.flush()
+        assert [(m.step, m.name, m.value) for m in sink.batches[0]] == [
+            (1, "loss", 0.5),
+            (1, "reward", 1.0),
+        ]
+        writer.write_log("r", "info", 0, "learner", "no metrics, no call")
+        writer.flush()
+        assert len(sink.batches) == 1 and sink.closed == 0
+    assert sink.closed == 1
+
+
+def test_a_failing_sink_is_dropped_with_a_warning_and_the_store_goes_on(caplog, monkeypatch):
+    store = RecordingStore()
+    broken, healthy = Sink("broken", fail=OSError("disk full")), Sink("healthy")
+    # A worker turns propagation off; caplog listens at the root.
+    monkeypatch.setattr(logging.getLogger("rollout"), "propagate", True)
+    writer = BackgroundWriter(lambda: store, flush_interval_s=SLOW, sinks=[broken, healthy])
+    with caplog.at_level(logging.WARNING, logger="rollout.storage.writer"), writer:
+        for step in (1, 2):
+            writer.write_metrics("r", step, {"loss": 1.0})
+            writer.flush()
+    assert len(broken.batches) == 1 and broken.closed == 1
+    assert len(healthy.batches) == 2 and healthy.closed == 1
+    assert len(store.transactions) == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "metric sink broken failed and is dropped: OSError('disk full')"
+    ]
+
+
+def test_what_a_sink_logs_while_closing_reaches_the_store():
+    store = RecordingStore()
+    logger = logging.getLogger("rollout.test_writer.sink")
+    logger.propagate = False
+    writer = BackgroundWriter(lambda: store, flush_interval_s=SLOW, sinks=[Sink(logger=logger)])
+    logger.addHandler(StoreLogHandler(writer, "r", rank=0, role="learner"))
+    try:
+        writer.close()
+    finally:
+        logger.handlers.clear()
+    messages = [row[5] for rows in store.transactions for kind, row in rows if kind == "log"]
+    assert messages == ["closing sink"]
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.write_log("r", "info", 0, "learner", "too late")
+
+
+def test_sinks_are_closed_when_the_store_fails():
+    sink = Sink()
+    writer = BackgroundWriter(lambda: RecordingStore(fail=OSError("gone")), sinks=[sink])
+    writer.write_metrics("r", 1, {"loss": 1.0})
+    with pytest.raises(WriterError):
+        writer.close()
+    assert sink.batches == [] and sink.closed == 1  # rows the store lost never reach a sink
