@@ -72,7 +72,7 @@ class ClusterSection(TypedDict):
     """CPU threads each worker's torch may use. None: the CPU cores divided among the node's
     processes.
 
-    Range: ≥ 1. Default: None."""
+    Range: ≥ 1, ≤ 4096. Default: None."""
 
 class DataSection(TypedDict):
     train: DataSource
@@ -82,7 +82,10 @@ class DataSection(TypedDict):
 
     Default: None."""
     fields: NotRequired[FieldMap]
-    """Which record fields hold the prompt, answer, completion, chosen, rejected, ..."""
+    """Which record fields hold the prompt, answer, completion, chosen, rejected, ... Online,
+    every mapped role reaches the rewards; offline, a role the objective does not read is
+    refused (dpo, ipo, rm: prompt, chosen, rejected; kto: prompt, completion, label; sft:
+    prompt and completion, or messages)."""
     shuffle: NotRequired[bool]
     """Shuffle the training set each epoch, deterministically from run.seed.
 
@@ -92,7 +95,8 @@ class DataSection(TypedDict):
 
     Default: True."""
     system_prompt: NotRequired[str | None]
-    """A system message put before every prompt when use_chat_template is on.
+    """A system message put before every prompt; needs use_chat_template. Refused for sft on
+    data.fields.messages, whose conversations are trained on as written.
 
     Default: None."""
 
@@ -120,7 +124,8 @@ class DpoConfig(TypedDict):
 
     Default: 'constant'."""
     warmup_steps: NotRequired[int]
-    """Optimizer steps of linear warmup from 0 to lr.
+    """Optimizer steps of linear warmup to lr: optimizer step s < warmup_steps runs at lr x (s +
+    1) / warmup_steps. 0: none (1 would be none too, and is refused).
 
     Range: ≥ 0. Default: 0."""
     weight_decay: NotRequired[float]
@@ -183,7 +188,8 @@ class FieldMap(TypedDict):
 
     Default: 'prompt'."""
     answer: NotRequired[str | None]
-    """Field with the reference answer that rule-based rewards compare against.
+    """Field with the reference answer that rule-based rewards compare against (passed to them as
+    `answer`, in place of any record field of that name).
 
     Default: None."""
     completion: NotRequired[str | None]
@@ -240,7 +246,8 @@ class GenerationSection(TypedDict):
 
     Range: ≥ 1. Default: None."""
     gpu_memory_utilization: NotRequired[float]
-    """vLLM only: share of GPU memory vLLM may take for weights and KV cache.
+    """vLLM only (refused with the hf engine): share of GPU memory vLLM may take for weights and
+    KV cache.
 
     Range: > 0, ≤ 1. Default: 0.5."""
 
@@ -255,7 +262,8 @@ class GrpoConfig(TypedDict):
 
     Default: 'constant'."""
     warmup_steps: NotRequired[int]
-    """Optimizer steps of linear warmup from 0 to lr.
+    """Optimizer steps of linear warmup to lr: optimizer step s < warmup_steps runs at lr x (s +
+    1) / warmup_steps. 0: none (1 would be none too, and is refused).
 
     Range: ≥ 0. Default: 0."""
     weight_decay: NotRequired[float]
@@ -316,13 +324,16 @@ class GrpoConfig(TypedDict):
     Range: ≥ 0. Default: 0.0."""
     kl_estimator: NotRequired[Literal["k1", "k2", "k3"]]
     """KL estimator: k1 (log-ratio), k2 (squared log-ratio / 2) or k3 (unbiased, always
-    positive).
+    positive), of the KL term in the loss (grpo, rloo, ppo with kl_penalty = 'loss') when
+    kl_coef > 0. The KL in the token rewards (ppo's kl_penalty = 'reward', reinforce_pp) is
+    always k1: setting it there, or with kl_coef = 0, is refused.
 
     Default: 'k3'."""
     loss_aggregation: NotRequired[Literal["token_mean", "sequence_mean", "batch_token_mean", "constant"]]
     """How per-token losses become one number: token_mean (mean over the minibatch's tokens),
-    sequence_mean (mean per sequence, then over sequences), batch_token_mean (DAPO: over all
-    tokens of the rollout batch), constant (Dr. GRPO: sum / (sequences x max_new_tokens)).
+    sequence_mean (mean per sequence, then over sequences), batch_token_mean (DAPO: over the
+    minibatch's tokens across every data-parallel rank; with one learner process the same as
+    token_mean), constant (Dr. GRPO: sum / (sequences x max_new_tokens)).
 
     Default: 'token_mean'."""
     kind: Literal["grpo"]
@@ -344,7 +355,8 @@ class IpoConfig(TypedDict):
 
     Default: 'constant'."""
     warmup_steps: NotRequired[int]
-    """Optimizer steps of linear warmup from 0 to lr.
+    """Optimizer steps of linear warmup to lr: optimizer step s < warmup_steps runs at lr x (s +
+    1) / warmup_steps. 0: none (1 would be none too, and is refused).
 
     Range: ≥ 0. Default: 0."""
     weight_decay: NotRequired[float]
@@ -407,7 +419,8 @@ class KtoConfig(TypedDict):
 
     Default: 'constant'."""
     warmup_steps: NotRequired[int]
-    """Optimizer steps of linear warmup from 0 to lr.
+    """Optimizer steps of linear warmup to lr: optimizer step s < warmup_steps runs at lr x (s +
+    1) / warmup_steps. 0: none (1 would be none too, and is refused).
 
     Range: ≥ 0. Default: 0."""
     weight_decay: NotRequired[float]
@@ -468,15 +481,18 @@ class KtoConfig(TypedDict):
     Range: > 0. Default: 1.0."""
 
 class LoggingSection(TypedDict):
-    trackers: NotRequired[list[Literal["console", "jsonl", "tensorboard", "wandb"]]]
+    trackers: NotRequired[list[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]]]
     """Metric sinks besides the run store (which always records): console (progress bar and
-    summary), jsonl (metrics.jsonl in the run directory), tensorboard, wandb."""
+    summary), jsonl (metrics.jsonl in the run directory), tensorboard (event files in
+    <run_dir>/tensorboard; needs rollout[tensorboard]), wandb (Weights & Biases; needs
+    rollout[wandb]), mlflow (needs rollout[mlflow]). See docs/trackers.md."""
     level: NotRequired[Literal["debug", "info", "warning", "error"]]
     """Lowest log level recorded.
 
     Default: 'info'."""
     interval: NotRequired[int]
-    """Record metrics every this many steps.
+    """Record training-step metrics every this many steps (and always the last step, evaluation
+    steps and checkpoint steps); evaluation metrics are always recorded.
 
     Range: ≥ 1. Default: 1."""
     wandb_project: NotRequired[str | None]
@@ -484,7 +500,20 @@ class LoggingSection(TypedDict):
 
     Default: None."""
     wandb_api_key: NotRequired[str | None]
-    """Weights & Biases API key as a reference ('env:WANDB_API_KEY'), never the key.
+    """Weights & Biases API key as a reference ('env:WANDB_API_KEY' or 'file:/path'), never the
+    key; read by the worker at run time (wandb tracker only). None: wandb's own login
+    (WANDB_API_KEY, ~/.netrc).
+
+    Default: None."""
+    mlflow_tracking_uri: NotRequired[str | None]
+    """MLflow tracking URI (mlflow tracker only): a server (http://host:5000, https://...,
+    databricks) or a local file store (file:///abs/path, or a path relative to the config
+    file). None: the file store <run_dir>/mlruns.
+
+    Default: None."""
+    mlflow_experiment: NotRequired[str | None]
+    """MLflow experiment name, created when missing (mlflow tracker only). None: the run name
+    (run.name).
 
     Default: None."""
 
@@ -533,8 +562,9 @@ class ModelSection(TypedDict):
 
     Default: False."""
     trust_remote_code: NotRequired[bool]
-    """Allow model code shipped with a checkpoint to run. Off by default: it executes arbitrary
-    code.
+    """Allow model code shipped with a Hugging Face checkpoint (an auto_map in its config.json or
+    tokenizer_config.json) to run; refused for a model that ships none. Off by default: it
+    executes arbitrary code.
 
     Default: False."""
 
@@ -549,7 +579,8 @@ class PpoConfig(TypedDict):
 
     Default: 'constant'."""
     warmup_steps: NotRequired[int]
-    """Optimizer steps of linear warmup from 0 to lr.
+    """Optimizer steps of linear warmup to lr: optimizer step s < warmup_steps runs at lr x (s +
+    1) / warmup_steps. 0: none (1 would be none too, and is refused).
 
     Range: ≥ 0. Default: 0."""
     weight_decay: NotRequired[float]
@@ -609,13 +640,16 @@ class PpoConfig(TypedDict):
     Range: ≥ 0. Default: 0.0."""
     kl_estimator: NotRequired[Literal["k1", "k2", "k3"]]
     """KL estimator: k1 (log-ratio), k2 (squared log-ratio / 2) or k3 (unbiased, always
-    positive).
+    positive), of the KL term in the loss (grpo, rloo, ppo with kl_penalty = 'loss') when
+    kl_coef > 0. The KL in the token rewards (ppo's kl_penalty = 'reward', reinforce_pp) is
+    always k1: setting it there, or with kl_coef = 0, is refused.
 
     Default: 'k3'."""
     loss_aggregation: NotRequired[Literal["token_mean", "sequence_mean", "batch_token_mean", "constant"]]
     """How per-token losses become one number: token_mean (mean over the minibatch's tokens),
-    sequence_mean (mean per sequence, then over sequences), batch_token_mean (DAPO: over all
-    tokens of the rollout batch), constant (Dr. GRPO: sum / (sequences x max_new_tokens)).
+    sequence_mean (mean per sequence, then over sequences), batch_token_mean (DAPO: over the
+    minibatch's tokens across every data-parallel rank; with one learner process the same as
+    token_mean), constant (Dr. GRPO: sum / (sequences x max_new_tokens)).
 
     Default: 'token_mean'."""
     kind: Literal["ppo"]
@@ -633,11 +667,14 @@ class PpoConfig(TypedDict):
 
     Default: 'separate'."""
     critic_lr: NotRequired[float]
-    """Learning rate of the critic.
+    """Learning rate of the critic: the separate value model, or the value head (critic =
+    'value_head', whose shared trunk trains with the policy at lr).
 
     Range: > 0, ≤ 1.0. Default: 1e-05."""
     vf_coef: NotRequired[float]
-    """Weight of the value loss.
+    """Weight of the value loss added to the policy loss, with critic = 'value_head'. A separate
+    critic has an optimizer of its own, where a weight means nothing: setting it there is
+    refused (tune critic_lr).
 
     Range: ≥ 0. Default: 0.5."""
     value_clip: NotRequired[float | None]
@@ -650,7 +687,7 @@ class PpoConfig(TypedDict):
     Default: True."""
     kl_penalty: NotRequired[Literal["reward", "loss"]]
     """Apply the KL to the reference as a per-token reward penalty (classic PPO) or as a loss
-    term.
+    term. Needs kl_coef > 0 (refused otherwise).
 
     Default: 'reward'."""
 
@@ -665,7 +702,8 @@ class ReinforcePpConfig(TypedDict):
 
     Default: 'constant'."""
     warmup_steps: NotRequired[int]
-    """Optimizer steps of linear warmup from 0 to lr.
+    """Optimizer steps of linear warmup to lr: optimizer step s < warmup_steps runs at lr x (s +
+    1) / warmup_steps. 0: none (1 would be none too, and is refused).
 
     Range: ≥ 0. Default: 0."""
     weight_decay: NotRequired[float]
@@ -725,13 +763,16 @@ class ReinforcePpConfig(TypedDict):
     Range: ≥ 0. Default: 0.0."""
     kl_estimator: NotRequired[Literal["k1", "k2", "k3"]]
     """KL estimator: k1 (log-ratio), k2 (squared log-ratio / 2) or k3 (unbiased, always
-    positive).
+    positive), of the KL term in the loss (grpo, rloo, ppo with kl_penalty = 'loss') when
+    kl_coef > 0. The KL in the token rewards (ppo's kl_penalty = 'reward', reinforce_pp) is
+    always k1: setting it there, or with kl_coef = 0, is refused.
 
     Default: 'k3'."""
     loss_aggregation: NotRequired[Literal["token_mean", "sequence_mean", "batch_token_mean", "constant"]]
     """How per-token losses become one number: token_mean (mean over the minibatch's tokens),
-    sequence_mean (mean per sequence, then over sequences), batch_token_mean (DAPO: over all
-    tokens of the rollout batch), constant (Dr. GRPO: sum / (sequences x max_new_tokens)).
+    sequence_mean (mean per sequence, then over sequences), batch_token_mean (DAPO: over the
+    minibatch's tokens across every data-parallel rank; with one learner process the same as
+    token_mean), constant (Dr. GRPO: sum / (sequences x max_new_tokens)).
 
     Default: 'token_mean'."""
     kind: Literal["reinforce_pp"]
@@ -773,7 +814,7 @@ class RewardSpec(TypedDict):
 
     Default: None."""
     options: NotRequired[dict[str, Any]]
-    """Keyword arguments passed to the function on every call."""
+    """Keyword arguments passed to the function on every call (a reward model takes none)."""
     timeout_s: NotRequired[float]
     """Longest one call may take; past it the step stops with an error naming the plugin.
 
@@ -790,7 +831,8 @@ class RlooConfig(TypedDict):
 
     Default: 'constant'."""
     warmup_steps: NotRequired[int]
-    """Optimizer steps of linear warmup from 0 to lr.
+    """Optimizer steps of linear warmup to lr: optimizer step s < warmup_steps runs at lr x (s +
+    1) / warmup_steps. 0: none (1 would be none too, and is refused).
 
     Range: ≥ 0. Default: 0."""
     weight_decay: NotRequired[float]
@@ -850,13 +892,16 @@ class RlooConfig(TypedDict):
     Range: ≥ 0. Default: 0.0."""
     kl_estimator: NotRequired[Literal["k1", "k2", "k3"]]
     """KL estimator: k1 (log-ratio), k2 (squared log-ratio / 2) or k3 (unbiased, always
-    positive).
+    positive), of the KL term in the loss (grpo, rloo, ppo with kl_penalty = 'loss') when
+    kl_coef > 0. The KL in the token rewards (ppo's kl_penalty = 'reward', reinforce_pp) is
+    always k1: setting it there, or with kl_coef = 0, is refused.
 
     Default: 'k3'."""
     loss_aggregation: NotRequired[Literal["token_mean", "sequence_mean", "batch_token_mean", "constant"]]
     """How per-token losses become one number: token_mean (mean over the minibatch's tokens),
-    sequence_mean (mean per sequence, then over sequences), batch_token_mean (DAPO: over all
-    tokens of the rollout batch), constant (Dr. GRPO: sum / (sequences x max_new_tokens)).
+    sequence_mean (mean per sequence, then over sequences), batch_token_mean (DAPO: over the
+    minibatch's tokens across every data-parallel rank; with one learner process the same as
+    token_mean), constant (Dr. GRPO: sum / (sequences x max_new_tokens)).
 
     Default: 'token_mean'."""
     kind: Literal["rloo"]
@@ -873,7 +918,8 @@ class RmConfig(TypedDict):
 
     Default: 'constant'."""
     warmup_steps: NotRequired[int]
-    """Optimizer steps of linear warmup from 0 to lr.
+    """Optimizer steps of linear warmup to lr: optimizer step s < warmup_steps runs at lr x (s +
+    1) / warmup_steps. 0: none (1 would be none too, and is refused).
 
     Range: ≥ 0. Default: 0."""
     weight_decay: NotRequired[float]
@@ -953,7 +999,8 @@ class SftConfig(TypedDict):
 
     Default: 'constant'."""
     warmup_steps: NotRequired[int]
-    """Optimizer steps of linear warmup from 0 to lr.
+    """Optimizer steps of linear warmup to lr: optimizer step s < warmup_steps runs at lr x (s +
+    1) / warmup_steps. 0: none (1 would be none too, and is refused).
 
     Range: ≥ 0. Default: 0."""
     weight_decay: NotRequired[float]

@@ -28,7 +28,10 @@ class OptimizerKnobs(ConfigModel):
         description="Learning-rate schedule after warmup: constant, linear decay to 0, or cosine.",
     )
     warmup_steps: int = Field(
-        default=0, ge=0, description="Optimizer steps of linear warmup from 0 to lr."
+        default=0,
+        ge=0,
+        description="Optimizer steps of linear warmup to lr: optimizer step s < warmup_steps runs "
+        "at lr x (s + 1) / warmup_steps. 0: none (1 would be none too, and is refused).",
     )
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW decoupled weight decay.")
     adam_betas: tuple[Beta, Beta] = Field(
@@ -86,13 +89,16 @@ class OnPolicyKnobs(OptimizerKnobs):
     kl_estimator: KlEstimator = Field(
         default="k3",
         description="KL estimator: k1 (log-ratio), k2 (squared log-ratio / 2) or k3 (unbiased, "
-        "always positive).",
+        "always positive), of the KL term in the loss (grpo, rloo, ppo with kl_penalty = 'loss') "
+        "when kl_coef > 0. The KL in the token rewards (ppo's kl_penalty = 'reward', "
+        "reinforce_pp) is always k1: setting it there, or with kl_coef = 0, is refused.",
     )
     loss_aggregation: LossAggregation = Field(
         default="token_mean",
         description="How per-token losses become one number: token_mean (mean over the "
         "minibatch's tokens), sequence_mean (mean per sequence, then over sequences), "
-        "batch_token_mean (DAPO: over all tokens of the rollout batch), constant (Dr. GRPO: sum / "
+        "batch_token_mean (DAPO: over the minibatch's tokens across every data-parallel rank; "
+        "with one learner process the same as token_mean), constant (Dr. GRPO: sum / "
         "(sequences x max_new_tokens)).",
     )
 
@@ -137,8 +143,20 @@ class PpoConfig(OnPolicyKnobs):
         description="A separate value model (initialised from the policy) or a value head on the "
         "policy itself.",
     )
-    critic_lr: float = Field(default=1e-5, gt=0, le=1.0, description="Learning rate of the critic.")
-    vf_coef: float = Field(default=0.5, ge=0, description="Weight of the value loss.")
+    critic_lr: float = Field(
+        default=1e-5,
+        gt=0,
+        le=1.0,
+        description="Learning rate of the critic: the separate value model, or the value head "
+        "(critic = 'value_head', whose shared trunk trains with the policy at lr).",
+    )
+    vf_coef: float = Field(
+        default=0.5,
+        ge=0,
+        description="Weight of the value loss added to the policy loss, with critic = "
+        "'value_head'. A separate critic has an optimizer of its own, where a weight means "
+        "nothing: setting it there is refused (tune critic_lr).",
+    )
     value_clip: float | None = Field(
         default=0.2, gt=0, description="Clip value updates to this range. None: no clipping."
     )
@@ -148,7 +166,7 @@ class PpoConfig(OnPolicyKnobs):
     kl_penalty: Literal["reward", "loss"] = Field(
         default="reward",
         description="Apply the KL to the reference as a per-token reward penalty (classic PPO) or "
-        "as a loss term.",
+        "as a loss term. Needs kl_coef > 0 (refused otherwise).",
     )
 
 

@@ -39,7 +39,8 @@ class FieldMap(ConfigModel):
     )
     answer: FieldName | None = Field(
         default=None,
-        description="Field with the reference answer that rule-based rewards compare against.",
+        description="Field with the reference answer that rule-based rewards compare against "
+        "(passed to them as `answer`, in place of any record field of that name).",
     )
     completion: FieldName | None = Field(
         default=None,
@@ -71,7 +72,10 @@ class DataSection(ConfigModel):
     )
     fields: FieldMap = Field(
         default_factory=FieldMap,
-        description="Which record fields hold the prompt, answer, completion, chosen, rejected, ...",
+        description="Which record fields hold the prompt, answer, completion, chosen, rejected, "
+        "... Online, every mapped role reaches the rewards; offline, a role the objective does "
+        "not read is refused (dpo, ipo, rm: prompt, chosen, rejected; kto: prompt, completion, "
+        "label; sft: prompt and completion, or messages).",
     )
     shuffle: bool = Field(
         default=True,
@@ -83,5 +87,6 @@ class DataSection(ConfigModel):
     )
     system_prompt: str | None = Field(
         default=None,
-        description="A system message put before every prompt when use_chat_template is on.",
+        description="A system message put before every prompt; needs use_chat_template. Refused "
+        "for sft on data.fields.messages, whose conversations are trained on as written.",
     )

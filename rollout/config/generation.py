@@ -46,5 +46,6 @@ class GenerationSection(ConfigModel):
         default=0.5,
         gt=0,
         le=1,
-        description="vLLM only: share of GPU memory vLLM may take for weights and KV cache.",
+        description="vLLM only (refused with the hf engine): share of GPU memory vLLM may take "
+        "for weights and KV cache.",
     )

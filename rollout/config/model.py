@@ -65,6 +65,7 @@ class ModelSection(ConfigModel):
     )
     trust_remote_code: bool = Field(
         default=False,
-        description="Allow model code shipped with a checkpoint to run. Off by default: it executes "
-        "arbitrary code.",
+        description="Allow model code shipped with a Hugging Face checkpoint (an auto_map in its "
+        "config.json or tokenizer_config.json) to run; refused for a model that ships none. Off "
+        "by default: it executes arbitrary code.",
     )

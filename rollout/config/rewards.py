@@ -80,7 +80,8 @@ class RewardSpec(ConfigModel):
     )
     options: Annotated[dict[str, Any], AfterValidator(check_options_are_finite)] = Field(
         default_factory=dict,
-        description="Keyword arguments passed to the function on every call.",
+        description="Keyword arguments passed to the function on every call (a reward model "
+        "takes none).",
     )
     timeout_s: float = Field(
         default=30.0,

@@ -31,9 +31,11 @@ class PromptFormat:
         return str(row[self.prompt_field])
 
     def reward_row(self, row: Row) -> dict[str, Any]:
+        """The record's fields, and each mapped role under its own name: a role the config maps
+        (answer -> solution) wins over a record field that happens to share the role's name."""
         fields = dict(row)
         for role, field in self.role_fields.items():
-            fields.setdefault(role, row.get(field))
+            fields[role] = row.get(field)
         return fields
 
 

@@ -25,14 +25,18 @@ def build_optimizer(
     *,
     lr: float | None = None,
     extra: torch.nn.Module | None = None,
+    extra_lr: float | None = None,
 ) -> torch.optim.AdamW:
-    """AdamW over `model`'s trainable parameters (and `extra`'s: a value head trained with the
-    policy), at `lr` or the algorithm's."""
+    """AdamW over `model`'s trainable parameters at `lr` (or the algorithm's), and `extra`'s (a
+    value head trained with the policy) in a group of their own at `extra_lr` (or the same)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    groups: list[dict[str, Any]] = [{"params": params}]
     if extra is not None:
-        params += [p for p in extra.parameters() if p.requires_grad]
+        extra_params = [p for p in extra.parameters() if p.requires_grad]
+        params = params + extra_params
+        groups.append({"params": extra_params} | ({} if extra_lr is None else {"lr": extra_lr}))
     return torch.optim.AdamW(
-        params,
+        groups,
         lr=algo.lr if lr is None else lr,
         betas=tuple(algo.adam_betas),
         eps=algo.adam_eps,

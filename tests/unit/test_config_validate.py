@@ -6,10 +6,13 @@ import copy
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rollout import ConfigError, load_config
 from rollout.config import apply_overrides, validate_config
 from rollout.config.root import RunConfig
+from tests.conftest import BASE_CONFIG
 
 
 def issues_of(raw: dict[str, Any]) -> dict[str, Any]:
@@ -68,7 +71,7 @@ def test_out_of_range_and_wrong_type_name_the_value(base_config):
     issues = issues_of(raw)
     assert issues["algorithm.num_generations"].message == "must be at least 2"
     assert issues["algorithm.num_generations"].value == 1
-    assert issues["algorithm.lr"].message == "must be a number"
+    assert issues["algorithm.lr"].message == "must be a number, not a string"
 
 
 def test_missing_sections_are_named(base_config):
@@ -312,3 +315,233 @@ def test_nan_and_inf_are_refused_even_inside_options(base_config):
     issues = issues_of(base_config)
     assert issues["rewards[0].weight"].message == "must be a finite number"
     assert "x[1] is nan" in issues["rewards[0].options"].message
+
+
+# --- rules run beside field errors ------------------------------------------------------------------
+
+# [algorithm] fields the batch-size rule does not read, each with a value it refuses.
+UNREAD_BY_BATCH_RULE = {
+    "lr": [-1, 0, 2.0, "1e-5", True],
+    "weight_decay": [-0.1, "0"],
+    "adam_eps": [0, "tiny"],
+    "clip_ratio_low": [1.5, "0.2"],
+    "kl_estimator": ["k4", 3],
+    "loss_aggregation": ["mean"],
+}
+
+
+def test_a_field_error_and_a_rule_error_in_one_area_are_reported_together(base_config):
+    raw = with_changes(base_config, algorithm={"lr": -1, "rollout_batch_size": 10})
+    issues = issues_of(raw)
+    assert issues["algorithm.lr"].message == "must be greater than 0.0"
+    assert "not divisible by num_generations 4" in issues["algorithm.rollout_batch_size"].message
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    field=st.sampled_from(sorted(UNREAD_BY_BATCH_RULE)),
+    data=st.data(),
+    batch=st.integers(1, 1000).filter(lambda b: b % 4),
+)
+def test_rules_run_on_the_fields_that_validated(field, data, batch):
+    raw = with_changes(
+        BASE_CONFIG,
+        algorithm={
+            field: data.draw(st.sampled_from(UNREAD_BY_BATCH_RULE[field])),
+            "rollout_batch_size": batch,
+        },
+    )
+    issues = issues_of(raw)
+    assert f"algorithm.{field}" in issues
+    assert "by num_generations 4" in issues["algorithm.rollout_batch_size"].message
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    bad=st.sampled_from([0, 1, -3, "4", 2.5, [4]]),
+    batch=st.integers(1, 1000),
+)
+def test_a_rule_never_judges_a_field_that_failed(bad, batch):
+    """num_generations is bad, so its default (4) must not stand in for it in the batch rule."""
+    raw = with_changes(BASE_CONFIG, algorithm={"num_generations": bad, "rollout_batch_size": batch})
+    issues = issues_of(raw)
+    assert set(issues) == {"algorithm.num_generations"}, issues
+
+
+def test_a_property_reading_a_bad_field_stops_its_rule(base_config):
+    """rewards[0].name is bad: the duplicate-name rule must not fall back to the function name."""
+    base_config["rewards"] = [{"fn": "numeric_match", "name": "a b"}, {"fn": "numeric_match"}]
+    assert set(issues_of(base_config)) == {"rewards[0].name"}
+
+
+def test_left_out_values_do_not_echo_as_missing(base_config):
+    base_config["data"]["train"]["path"] = "a\0b"
+    base_config["algorithm"]["kind"] = 5
+    issues = issues_of(base_config)
+    assert set(issues) == {"data.train.path", "algorithm.kind"}, issues
+
+
+# --- choices by another name ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "given", "meant"),
+    [
+        ("cluster", "device", "gpu", "cuda"),
+        ("cluster", "device", "GPU", "cuda"),
+        ("model", "dtype", "bf16", "bfloat16"),
+        ("model", "dtype", "fp16", "float16"),
+        ("storage", "backend", "postgresql", "postgres"),
+        ("generation", "engine", "transformers", "hf"),
+        ("logging", "level", "warn", "warning"),
+        ("algorithm", "kind", "reinforce++", "reinforce_pp"),
+    ],
+)
+def test_a_choice_named_by_its_synonym_suggests_ours(base_config, section, key, given, meant):
+    raw = with_changes(base_config, **{section: {key: given}})
+    assert issues_of(raw)[f"{section}.{key}"].hint == f"did you mean {meant!r}?"
+
+
+def test_choice_synonyms_point_only_at_real_choices():
+    from rollout.config.algorithm import OFFLINE_KINDS, ONLINE_KINDS
+    from rollout.config.cluster import ClusterSection
+    from rollout.config.generation import GenerationSection
+    from rollout.config.logging import LoggingSection
+    from rollout.config.model import ModelSection
+    from rollout.config.storage import StorageSection
+    from rollout.config.translate import _CHOICE_SYNONYMS
+
+    choices = {*ONLINE_KINDS, *OFFLINE_KINDS}
+    for model in (ClusterSection, GenerationSection, LoggingSection, ModelSection, StorageSection):
+        for info in model.model_fields.values():
+            choices |= {str(arg) for arg in _literal_args(info.annotation)}
+    assert set(_CHOICE_SYNONYMS.values()) <= choices
+
+
+def _literal_args(annotation):
+    from typing import Literal, get_args, get_origin
+
+    if get_origin(annotation) is Literal:
+        return get_args(annotation)
+    return [arg for inner in get_args(annotation) for arg in _literal_args(inner)]
+
+
+# --- settings that nothing would read are refused ------------------------------------------------
+
+
+def test_warmup_counts_optimizer_steps_and_one_step_is_none(base_config):
+    # Two minibatches a step: 2 steps are 4 optimizer steps, enough for a warmup of 3.
+    raw = with_changes(base_config, algorithm={"warmup_steps": 3, "minibatch_size": 4})
+    validate_config(raw)
+    raw = with_changes(base_config, algorithm={"warmup_steps": 4, "minibatch_size": 4})
+    issue = issues_of(raw)["algorithm.warmup_steps"]
+    assert "never ends within the 4 optimizer steps of max_steps 2 (2 per step)" in issue.message
+    issue = issues_of(with_changes(base_config, algorithm={"warmup_steps": 1}))[
+        "algorithm.warmup_steps"
+    ]
+    assert "a warmup of 1 step is no warmup" in issue.message
+    assert issue.hint == "use 0 (no warmup), or 2 or more"
+
+
+def test_kl_settings_without_a_kl_in_the_loss_are_refused(base_config):
+    issue = issues_of(with_changes(base_config, algorithm={"kl_estimator": "k1"}))[
+        "algorithm.kl_estimator"
+    ]
+    assert "kl_coef is 0: there is no KL term to estimate" in issue.message
+    validate_config(with_changes(base_config, algorithm={"kl_estimator": "k1", "kl_coef": 0.1}))
+
+    ppo = {"kind": "ppo", "rollout_batch_size": 8, "max_steps": 2}
+    raw = copy.deepcopy(base_config)
+    raw["algorithm"] = {**ppo, "kl_coef": 0.1, "kl_estimator": "k2"}
+    issue = issues_of(raw)["algorithm.kl_estimator"]
+    assert "ppo puts the KL in the token rewards" in issue.message
+    assert issue.hint == 'remove kl_estimator, or set kl_penalty = "loss"'
+    raw["algorithm"]["kl_penalty"] = "loss"
+    validate_config(raw)
+    raw["algorithm"] = {**ppo, "kl_penalty": "loss"}
+    assert "kl_coef is 0" in issues_of(raw)["algorithm.kl_penalty"].message
+    raw["algorithm"] = {**ppo, "kind": "reinforce_pp", "kl_coef": 0.1, "kl_estimator": "k3"}
+    validate_config(raw)  # the default: nothing was asked for
+    raw["algorithm"]["kl_estimator"] = "k1"
+    assert issues_of(raw)["algorithm.kl_estimator"].hint == "remove kl_estimator"
+
+
+def test_vf_coef_is_for_a_value_head_only(base_config):
+    raw = copy.deepcopy(base_config)
+    raw["algorithm"] = {"kind": "ppo", "rollout_batch_size": 8, "vf_coef": 1.0}
+    issue = issues_of(raw)["algorithm.vf_coef"]
+    assert "a separate critic has an AdamW of its own" in issue.message
+    raw["algorithm"]["critic"] = "value_head"
+    validate_config(raw)
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields", "unread"),
+    [
+        ("dpo", {"chosen": "c", "rejected": "r", "answer": "a"}, "answer"),
+        ("rm", {"chosen": "c", "rejected": "r", "label": "l"}, "label"),
+        ("kto", {"completion": "c", "label": "l", "messages": "m"}, "messages"),
+        ("sft", {"completion": "c", "chosen": "x"}, "chosen"),
+        ("sft", {"messages": "m", "completion": "c"}, "completion"),
+        ("sft", {"messages": "m", "prompt": "question"}, "prompt"),
+    ],
+)
+def test_offline_kinds_refuse_fields_they_do_not_read(base_config, kind, fields, unread):
+    raw = copy.deepcopy(base_config)
+    raw["algorithm"] = {"kind": kind}
+    raw["rewards"] = []
+    del raw["generation"]  # offline kinds generate nothing
+    raw["data"]["fields"] = fields
+    issues = issues_of(raw)
+    assert list(issues) == [f"data.fields.{unread}"]
+    assert "so the field would be ignored" in issues[f"data.fields.{unread}"].message
+    assert issues[f"data.fields.{unread}"].hint == f"remove data.fields.{unread}"
+
+
+def test_online_kinds_hand_every_mapped_field_to_the_rewards(base_config):
+    base_config["data"]["fields"] = {"prompt": "prompt", "answer": "a", "label": "l"}
+    validate_config(base_config)
+
+
+def test_a_system_prompt_needs_the_chat_template(base_config):
+    raw = with_changes(base_config, data={"system_prompt": "Be brief.", "use_chat_template": False})
+    assert "use_chat_template is false" in issues_of(raw)["data.system_prompt"].message
+    validate_config(with_changes(base_config, data={"system_prompt": "Be brief."}))
+    raw = copy.deepcopy(base_config)
+    raw["algorithm"] = {"kind": "sft"}
+    raw["rewards"] = []
+    raw["data"]["fields"] = {"messages": "conversation"}
+    raw["data"]["system_prompt"] = "Be brief."
+    issue = issues_of(raw)["data.system_prompt"]
+    assert "trains on the data.fields.messages conversations as they are written" in issue.message
+
+
+def test_a_reward_model_takes_no_options(base_config):
+    base_config["rewards"] = [{"model": "runs/rm", "options": {"scale": 2}}]
+    issue = issues_of(base_config)["rewards[0].options"]
+    assert "takes no options" in issue.message
+    assert issue.hint == "remove rewards[0].options"
+
+
+def test_gpu_memory_utilization_needs_vllm(base_config):
+    raw = with_changes(base_config, generation={"gpu_memory_utilization": 0.9})
+    issue = issues_of(raw)["generation.gpu_memory_utilization"]
+    assert "the hf engine would ignore it" in issue.message
+    raw["generation"]["engine"] = "vllm"
+    raw["cluster"]["device"] = "cuda"
+    validate_config(raw)
+
+
+def test_generation_settings_are_refused_for_an_offline_kind(base_config):
+    raw = copy.deepcopy(base_config)
+    raw["algorithm"] = {"kind": "sft"}
+    raw["data"]["fields"] = {"completion": "answer"}
+    raw["rewards"] = []
+    issues = issues_of(raw)
+    assert (
+        "trains on a fixed dataset and generates nothing"
+        in issues["generation.max_new_tokens"].message
+    )
+    assert set(issues) == {"generation.max_new_tokens", "generation.max_prompt_tokens"}
+    del raw["generation"]
+    validate_config(raw)
