@@ -20,8 +20,9 @@ MASK = "***"
 
 # scheme://user:password@  (user may be empty: redis://:pw@host). The password runs to the
 # last '@' before whitespace or a quote, so an unencoded '@' or '/' inside it is covered too.
+# One slash counts too: a URL passed through a path type comes out as scheme:/user:pw@host.
 _URL_PASSWORD = re.compile(
-    r"(?P<head>\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s/@:'\"<>]*:)(?P<secret>[^\s'\"<>]*)@"
+    r"(?P<head>\b[A-Za-z][A-Za-z0-9+.\-]*:/{1,2}[^\s/@:'\"<>]*:)(?P<secret>[^\s'\"<>]*)@"
 )
 # key=value pairs: libpq DSNs (`password=x`), query strings (`?token=x&...`), env dumps.
 _SECRET_KEYS = (

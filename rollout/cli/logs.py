@@ -12,7 +12,7 @@ from rich.text import Text
 
 from rollout.cli.app import app
 from rollout.cli.render import stdout, user_errors
-from rollout.cli.runs import RunIdArgument, StoreOption, reading
+from rollout.cli.runs import RunIdArgument, StoreOption, reading, reconcile_quietly
 from rollout.storage import check_run_id, find_run
 from rollout.storage.base import FINAL_STATUSES, LOG_LEVELS, LogRecord, RunStore
 
@@ -71,6 +71,7 @@ def _follow(store: RunStore, run_id: str, after_id: int, filters: dict[str, Any]
     """Poll until the run ends. The status is read before the lines, so every line written
     before the run ended is printed before returning."""
     while True:
+        reconcile_quietly(store)  # a run whose owner died ends the follow, as lost
         run = store.get_run(run_id)
         ended = run is None or run.status in FINAL_STATUSES
         after_id = _print_new(store, run_id, after_id, filters)

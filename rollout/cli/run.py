@@ -6,9 +6,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from rollout.cli.app import app
-from rollout.cli.options import SetOption
+from rollout.cli.options import SetOption, local_path
 from rollout.cli.render import stderr, stdout, user_errors
 from rollout.errors import Issue, RolloutError
 
@@ -19,10 +20,10 @@ EXIT_STOPPED = 130
 @app.command()
 def run(
     plan: Annotated[
-        Path | None, typer.Option("--plan", "-p", help="The plan.lock written by `rollout plan`.")
+        str | None, typer.Option("--plan", "-p", help="The plan.lock written by `rollout plan`.")
     ] = None,
     config: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--config",
             "-c",
@@ -35,27 +36,33 @@ def run(
 
     Refuses a plan edited by hand, a stale plan, or an unknown format.
     """
-    from rollout.cli.progress import live_progress, summary
+    from rollout.cli.progress import RunView, summary
     from rollout.executor.launch import run_plan
     from rollout.storage import open_store
 
+    view = RunView(stdout, stderr)
     with user_errors():
-        plan_path = _plan_path(plan, config, set_ or [])
-        progress, bar = live_progress(stdout)
+        plan_path = _plan_path(local_path(plan, "--plan"), local_path(config), set_ or [])
         try:
-            record = run_plan(plan_path, progress=progress)
+            record = run_plan(plan_path, progress=view.callbacks)
         finally:
-            bar.stop()
-    store = open_store(_store_of(plan_path))
-    try:
-        stdout.print(summary(record, store))
-    finally:
-        store.close()
-    if record.status == "failed":
-        stderr.print(f"[bold red]run failed[/]: {record.error}")
+            view.stop()
+    if view.shows_progress:
+        store = open_store(_store_of(plan_path))
+        try:
+            table = summary(record, store)
+        finally:
+            store.close()
+        if table is not None:
+            stdout.print(table)
+    if record.status in ("failed", "lost"):
+        # The error is a traceback or a message quoting code: printed as it is, not as markup.
+        stderr.print(f"[bold red]run {record.status}[/]: {escape(record.error or '')}")
         raise typer.Exit(EXIT_FAILED)
     if record.status == "stopped":
-        stderr.print(f"[yellow]stopped[/]: resume with `rollout run --plan {plan_path}`")
+        stderr.print(
+            f"[yellow]stopped[/]: resume with `rollout run --plan {escape(str(plan_path))}`"
+        )
         raise typer.Exit(EXIT_STOPPED)
     stdout.print(f"[green]✓[/] {record.run_id} finished; logs: rollout logs tail {record.run_id}")
 

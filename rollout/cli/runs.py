@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Iterable, Iterator
@@ -19,6 +20,7 @@ from rollout.cli.app import app
 from rollout.cli.options import Format, FormatOption
 from rollout.cli.render import stdout, user_errors
 from rollout.errors import Issue, RolloutError
+from rollout.executor.ownership import reconcile
 from rollout.storage import check_run_id, default_store_location, find_run, open_store
 from rollout.storage.base import RUN_STATUSES, MetricRecord, RunRecord, RunStore
 
@@ -47,18 +49,27 @@ STATUS_STYLES = {
     "stopped": "yellow",
     "failed": "red",
     "finished": "green",
+    "lost": "magenta",
 }
 
 
 @contextmanager
 def reading(location: str | None) -> Iterator[tuple[RunStore, str]]:
-    """The store at `location` (or the default) and its name; never creates one."""
+    """The store at `location` (or the default) and its name; never creates one. Runs whose owner
+    is gone are marked lost first, so no reader sees a dead run as running."""
     location = location or default_store_location()
     store = open_store(location, create=False)
     try:
+        reconcile_quietly(store)
         yield store, location
     finally:
         store.close()
+
+
+def reconcile_quietly(store: RunStore) -> None:
+    """Best effort: a store this user may only read is still listed, as it stands."""
+    with contextlib.suppress(Exception):
+        reconcile(store)
 
 
 @runs.command("list")
@@ -87,9 +98,12 @@ def _runs_table(records: list[RunRecord]) -> Table:
     # terminal only the error is shortened (with an ellipsis: `runs show` has the whole of it).
     id_width = max(len(record.run_id) for record in records)
     table.add_column("id", no_wrap=True, min_width=id_width)
-    for column, width in (("status", 8), ("started", 11), ("duration", 8), ("last step", 9)):
+    fixed = (("status", 8), ("started", 11), ("duration", 8), ("last step", 9))
+    for column, width in fixed:
         table.add_column(column, no_wrap=True, min_width=width)
-    table.add_column("error", no_wrap=True, overflow="ellipsis")
+    # The error gets what the other columns leave: given more, rich would drop those instead.
+    left = stdout.width - id_width - sum(width + 1 for _, width in fixed) - 1
+    table.add_column("error", no_wrap=True, overflow="ellipsis", max_width=max(8, left))
     for record in records:
         table.add_row(
             escape(record.run_id),

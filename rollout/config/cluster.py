@@ -32,6 +32,7 @@ class ClusterSection(ConfigModel):
     threads_per_process: int | None = Field(
         default=None,
         ge=1,
+        le=4096,
         description="CPU threads each worker's torch may use. None: the CPU cores divided among "
         "the node's processes.",
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from rollout.config.base import ConfigModel
+from rollout.config.secrets import LocalPath
 
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
@@ -22,7 +23,7 @@ class RunSection(ConfigModel):
         description="Root seed. Every other seed (data order, sampling, per-rank streams) is derived "
         "from it at plan time and recorded in plan.lock.",
     )
-    output_dir: str = Field(
+    output_dir: LocalPath = Field(
         default="runs",
         min_length=1,
         description="Local directory that holds one sub-directory per run (plan copy, logs, and "

@@ -57,6 +57,20 @@ Location = Annotated[str, AfterValidator(check_no_inline_credentials)]
 """A local path or fsspec URL (file://, s3://, gs://, ...) with no password inside it."""
 
 
+def check_local_path(value: str) -> str:
+    """Refuse a URL where only a local path works (it would become a directory named 's3:')."""
+    if "://" in value and not value.startswith("file://"):
+        raise ValueError(
+            "must be a local path, not a URL: this is read and written on the machine that runs "
+            "the run (checkpoints can go to a URL: storage.artifacts)"
+        )
+    return value
+
+
+LocalPath = Annotated[str, AfterValidator(check_local_path)]
+"""A path on this machine (file:// allowed): never a URL that would become a local name."""
+
+
 def redact(value: str) -> str:
     """Return ``value`` with any credential in it replaced by ``***`` (for logs and messages)."""
     return redact_text(value)

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from rollout.config.base import ConfigModel
-from rollout.config.secrets import Location, SecretRef
+from rollout.config.secrets import LocalPath, Location, SecretRef
 
 
 class StorageSection(ConfigModel):
@@ -16,7 +16,7 @@ class StorageSection(ConfigModel):
         description="Run store: 'sqlite' (embedded, one file) or 'postgres' (for runs whose workers "
         "live on several machines).",
     )
-    sqlite_path: str | None = Field(
+    sqlite_path: LocalPath | None = Field(
         default=None,
         min_length=1,
         description="SQLite run-store file. None: <run.output_dir>/rollout.db.",

@@ -85,3 +85,13 @@ class Engine(Protocol):
     def stats(self) -> EngineStats: ...
 
     def close(self) -> None: ...
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword a transformers model's forward takes its KV cache by: `cache` from
+    transformers 5.2x on (where `past_key_values` still works, with a deprecation warning at
+    every call site), `past_key_values` before."""
+    import inspect
+
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"

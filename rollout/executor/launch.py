@@ -1,14 +1,26 @@
-"""Run a verified plan: launch torchrun, forward signals, own the run's status.
+"""Run a verified plan: take ownership of the run, launch torchrun, supervise, end it.
 
-The host never imports the runtime: it starts `torch.distributed.run` (gloo on CPU, nccl on GPU)
-in its own process group, polls the run store for progress and cancellation, and on Ctrl-C,
-SIGTERM or a cancel request stops the whole group (SIGTERM, a grace period, then SIGKILL), so no
-worker outlives the run. The first worker failure's traceback becomes the run's error.
+The host never imports the runtime. In order, `run_plan`:
+
+1. verifies the plan.lock (rollout.executor.preflight: hash, format, freshness, and every
+   refusal `rollout plan` would have made);
+2. takes ownership (rollout.executor.ownership): the run directory's lock, then the run's lease
+   in the store; a second start of the same plan is refused with who holds it, and a plan whose
+   run id belongs to another plan in the store is refused; a finished run is not started again;
+3. starts the reaper and torchrun (gloo on CPU, nccl on GPU) bound to this process
+   (rollout.executor.processes: no process of the run outlives it, however this one ends);
+4. polls the run store for progress and cancellation while a heartbeat renews the lease; on
+   Ctrl-C, SIGTERM, SIGHUP (a closed terminal) or `rollout runs cancel`, stops the workers
+   (SIGTERM: they checkpoint the step they finished; SIGKILL after a grace period, or at once on a
+   second signal);
+5. ends the run with its status and, on failure, one message saying why
+   (rollout.executor.failure).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -21,14 +33,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollout.errors import Issue, RolloutError
+from rollout.executor.failure import describe_failure
+from rollout.executor.ownership import Heartbeat, Owner, claim, directory_lock, lease_seconds
 from rollout.executor.preflight import verify_plan
+from rollout.executor.processes import RUN_TOKEN_ENV, Reaper, kill_marked
 from rollout.planner.definition import Plan
 from rollout.storage import open_store
 from rollout.storage.base import RunRecord, RunStore
 
+GRACE_ENV = "ROLLOUT_STOP_GRACE_S"
 GRACE_SECONDS = 30.0
 POLL_SECONDS = 0.5
-RUNNABLE_KINDS = ("grpo", "rloo", "reinforce_pp", "ppo", "dpo", "ipo", "kto", "sft", "rm")
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass
@@ -37,100 +53,153 @@ class Progress:
 
     on_start: Callable[[Plan, bool], None] = lambda plan, resumed: None
     on_poll: Callable[[Plan, RunStore], None] = lambda plan, store: None
+    on_signal: Callable[[str], None] = lambda name: None
+    """A stop signal arrived (SIGHUP: the terminal is gone, so print nothing more there)."""
+    on_already_finished: Callable[[Plan, RunRecord], None] = lambda plan, record: None
 
 
 def run_plan(plan_path: str | Path, *, progress: Progress | None = None) -> RunRecord:
     """Verify and execute a plan; block until the run ends; return its record."""
     progress = progress or Progress()
     plan = verify_plan(plan_path)
-    _check_runnable(plan)
+    lock_sha256 = _lock_sha256(Path(plan_path))
     run_dir = Path(plan.derived.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    with directory_lock(run_dir, plan.run_id) as owner:
+        store = open_store(plan.derived.store)
+        try:
+            existing = _existing_run(store, plan, lock_sha256)
+            if existing is not None and existing.status == "finished":
+                progress.on_already_finished(plan, existing)
+                return existing
+            if existing is None:
+                store.create_run(
+                    plan.run_id,
+                    name=plan.config.run.name,
+                    plan_sha256=lock_sha256,
+                    plan_path=str(run_dir / "plan.lock"),
+                    run_dir=str(run_dir),
+                )
+            lease_s = lease_seconds()
+            claim(store, plan.run_id, owner, lease_s)
+            status, error = "failed", "the host stopped before its workers ended"
+            try:
+                plan_copy = _copy_plan(Path(plan_path), run_dir)
+                _clear_old_reports(run_dir)
+                progress.on_start(plan, existing is not None)
+                status, error = _supervise(plan, plan_copy, store, progress, owner, lease_s)
+            finally:
+                store.end_run(plan.run_id, owner.to_json(), status, error=error)
+            record = store.get_run(plan.run_id)
+            assert record is not None
+            return record
+        finally:
+            store.close()
+
+
+def _existing_run(store: RunStore, plan: Plan, lock_sha256: str) -> RunRecord | None:
+    """The run this plan resumes, if any; a RolloutError if its id belongs to another plan."""
+    existing = store.get_run(plan.run_id)
+    if existing is not None and existing.plan_sha256 != lock_sha256:
+        raise RolloutError(
+            Issue(
+                "run_id",
+                f"run id {plan.run_id} already belongs to another plan in the run store "
+                f"(its plan.lock sha256 {existing.plan_sha256[:12]}..., this one's "
+                f"{lock_sha256[:12]}...): two plans never share a run",
+                value=plan.run_id,
+                hint="plan the config again (`rollout plan --config ...`) for a fresh run id",
+            )
+        )
+    return existing
+
+
+def _copy_plan(plan_path: Path, run_dir: Path) -> Path:
     plan_copy = run_dir / "plan.lock"
-    if Path(plan_path).resolve() != plan_copy.resolve():
+    if plan_path.resolve() != plan_copy.resolve():
         shutil.copyfile(plan_path, plan_copy)
-    _clear_old_errors(run_dir)
-
-    store = open_store(plan.derived.store)
-    try:
-        existing = store.get_run(plan.run_id)
-        if existing is None:
-            store.create_run(
-                plan.run_id,
-                name=plan.config.run.name,
-                plan_sha256=_lock_sha256(plan_copy),
-                plan_path=str(plan_copy),
-                run_dir=str(run_dir),
-            )
-        store.set_status(plan.run_id, "running")
-        progress.on_start(plan, existing is not None)
-        status, error = _supervise(plan, plan_copy, store, progress)
-        store.set_status(plan.run_id, status, error=error)
-        record = store.get_run(plan.run_id)
-        assert record is not None
-        return record
-    finally:
-        store.close()
-
-
-def _check_runnable(plan: Plan) -> None:
-    kind = plan.config.algorithm.kind
-    if kind not in RUNNABLE_KINDS:
-        raise RolloutError(
-            Issue(
-                "algorithm.kind",
-                f"this version of rollout executes {', '.join(RUNNABLE_KINDS)}; {kind} plans "
-                "validate and plan but do not run yet",
-                value=kind,
-                hint=f"use one of: {', '.join(RUNNABLE_KINDS)}",
-            )
-        )
-    if plan.graph.nnodes > 1 or any(e.transport != "in_process" for e in plan.graph.edges):
-        raise RolloutError(
-            Issue(
-                "cluster.placement",
-                "this version runs colocated placements on one node only",
-                hint="remove cluster.placement and set nnodes = 1",
-            )
-        )
+    return plan_copy
 
 
 def _supervise(
-    plan: Plan, plan_copy: Path, store: RunStore, progress: Progress
+    plan: Plan,
+    plan_copy: Path,
+    store: RunStore,
+    progress: Progress,
+    owner: Owner,
+    lease_s: float,
 ) -> tuple[str, str | None]:
+    run_dir = Path(plan.derived.run_dir)
     # Workers' and torchrun's own output goes to a file in the run directory: the terminal shows
-    # the progress bar, the run store has the logs, and a failure's traceback is reported below.
-    output = Path(plan.derived.run_dir) / "torchrun.log"
-    with output.open("ab") as log_file:
-        process = subprocess.Popen(
-            _torchrun_command(plan, plan_copy),
-            start_new_session=True,  # its own process group: one signal reaches every worker
-            env=_worker_environment(plan),
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
-    stop_reason: list[str] = []
-    previous = _forward_signals(lambda name: stop_reason.append(name))
+    # the progress bar, the run store has the logs, and a failure is summarized from the files.
+    output = run_dir / "torchrun.log"
+    stops = _StopRequests(progress.on_signal)
+    reaper = Reaper(owner.token)
+    heartbeat = Heartbeat(
+        lambda: open_store(plan.derived.store), plan.run_id, owner, lease_s, stops.lease_lost
+    )
+    previous = stops.install()
+    process = None
     try:
+        with output.open("ab") as log_file:
+            process = subprocess.Popen(
+                _torchrun_command(plan, plan_copy),
+                start_new_session=True,  # Ctrl-C reaches the host only; the host decides
+                env=_worker_environment(plan, owner.token),
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+            )
         while process.poll() is None:
-            if stop_reason or _cancel_requested(store, plan.run_id):
-                _stop_group(process)
+            if heartbeat.lost.is_set():
+                _kill_now(process, owner.token)
+                return "lost", "another host took the run over: this one missed its lease"
+            if stops.requested or _cancel_requested(store, plan.run_id):
+                _stop(process, owner.token, stops)
                 return "stopped", None
             progress.on_poll(plan, store)
             time.sleep(POLL_SECONDS)
         progress.on_poll(plan, store)
     finally:
         _restore_signals(previous)
-        if process.poll() is None:
-            _stop_group(process)
+        if process is not None and process.poll() is None:
+            _kill_now(process, owner.token)
+        kill_marked(owner.token)  # e.g. a reward plugin's children, left behind by a worker
+        heartbeat.stop()
+        reaper.close()
     if process.returncode == 0:
         return "finished", None
-    return "failed", _first_failure(Path(plan.derived.run_dir), process.returncode, output)
+    return "failed", describe_failure(run_dir, process.returncode, output)
 
 
-def _worker_environment(plan: Plan) -> dict[str, str]:
+class _StopRequests:
+    """Stop signals seen so far; the host installs it for SIGINT, SIGTERM and SIGHUP."""
+
+    def __init__(self, on_signal: Callable[[str], None]):
+        self.names: list[str] = []
+        self._on_signal = on_signal
+
+    @property
+    def requested(self) -> bool:
+        return bool(self.names)
+
+    def install(self) -> dict[int, object]:
+        previous = {}
+        for signum in STOP_SIGNALS:
+            previous[signum] = signal.signal(signum, self._handle)
+        return previous
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        name = signal.Signals(signum).name
+        self.names.append(name)
+        self._on_signal(name)
+
+    def lease_lost(self) -> None:
+        self.names.append("lease lost")
+
+
+def _worker_environment(plan: Plan, token: str) -> dict[str, str]:
     return {
         **os.environ,
+        RUN_TOKEN_ENV: token,  # every process of the run carries it (processes.kill_marked)
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": str(plan.derived.threads_per_process),
         # Everything a worker loads was located at plan time: it never reaches for a hub.
@@ -147,7 +216,9 @@ def _torchrun_command(plan: Plan, plan_copy: Path) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "rollout.executor.torchrun",
+        str(os.getpid()),
+        "--",
         "--nnodes=1",
         f"--nproc_per_node={graph.nproc_per_node}",
         "--master_addr=127.0.0.1",
@@ -167,13 +238,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _forward_signals(on_signal: Callable[[str], None]) -> dict[int, object]:
-    previous = {}
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        previous[signum] = signal.signal(signum, lambda s, _f: on_signal(signal.Signals(s).name))
-    return previous
-
-
 def _restore_signals(previous: dict[int, object]) -> None:
     for signum, handler in previous.items():
         signal.signal(signum, handler)  # type: ignore[arg-type]
@@ -184,36 +248,42 @@ def _cancel_requested(store: RunStore, run_id: str) -> bool:
     return bool(record and record.cancel_requested)
 
 
-def _stop_group(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the whole group (workers finish their step and exit), then SIGKILL after a grace."""
+def _stop(process: subprocess.Popen[bytes], token: str, stops: _StopRequests) -> None:
+    """SIGTERM torchrun's group (it passes SIGTERM to the workers, which checkpoint the step they
+    finished and exit); SIGKILL everything after the grace period, or at once on another
+    signal (a second Ctrl-C)."""
     try:
         os.killpg(process.pid, signal.SIGTERM)
     except ProcessLookupError:
         return
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=GRACE_SECONDS)
+    seen = len(stops.names)
+    deadline = time.monotonic() + stop_grace_seconds()
+    while process.poll() is None and time.monotonic() < deadline and len(stops.names) == seen:
+        time.sleep(0.1)
+    _kill_now(process, token)
+
+
+def stop_grace_seconds() -> float:
+    """How long stopping workers may take to checkpoint and exit: $ROLLOUT_STOP_GRACE_S, else 30."""
+    try:
+        return max(0.0, float(os.environ.get(GRACE_ENV, GRACE_SECONDS)))
+    except ValueError:
+        return GRACE_SECONDS
+
+
+def _kill_now(process: subprocess.Popen[bytes], token: str) -> None:
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)  # anything still alive in the group, children too
+        os.killpg(process.pid, signal.SIGKILL)
     process.wait()
+    kill_marked(token)
 
 
-def _clear_old_errors(run_dir: Path) -> None:
-    errors = run_dir / "errors"
-    if errors.is_dir():
-        shutil.rmtree(errors)
-
-
-def _first_failure(run_dir: Path, returncode: int, output: Path) -> str:
-    files = sorted((run_dir / "errors").glob("rank-*.txt"), key=lambda p: p.stat().st_mtime)
-    if files:
-        return f"{files[0].stem}: " + files[0].read_text(encoding="utf-8")
-    return (
-        f"torchrun exited with code {returncode} before any worker reported an error; "
-        f"its output is in {output}"
-    )
+def _clear_old_reports(run_dir: Path) -> None:
+    """What workers of an earlier attempt reported (errors, activity) is not this attempt's."""
+    for name in ("errors", "workers"):
+        if (run_dir / name).is_dir():
+            shutil.rmtree(run_dir / name)
 
 
 def _lock_sha256(path: Path) -> str:
-    import json
-
     return json.loads(path.read_text(encoding="utf-8"))["sha256"]

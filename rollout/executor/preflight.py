@@ -4,9 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rollout.errors import LockfileError
 from rollout.planner.definition import Plan
+from rollout.planner.runnable import run_refusals
 
 
 def verify_plan(path: str | Path) -> Plan:
-    """Read plan.lock and refuse it if edited, stale, or of an unknown format (LockfileError)."""
-    return Plan.from_file(str(path), check_fresh=True)
+    """Read plan.lock and refuse it (LockfileError) if edited, stale, of an unknown format, or
+    asking for what this rollout cannot run: the same refusals `rollout plan` makes, asked again
+    of a lock that another rollout wrote or someone edited."""
+    plan = Plan.from_file(str(path), check_fresh=True)
+    refusals = run_refusals(plan.config, plan.graph)
+    if refusals:
+        raise LockfileError(refusals, source=str(path))
+    return plan

@@ -10,12 +10,14 @@ is never broadcast, coerced or replaced, since a silently wrong reward trains th
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import inspect
 import math
 import numbers
 import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -71,14 +73,23 @@ def describe(
 
 
 class RewardRunner:
-    """Scores batches with a fixed list of reward functions."""
+    """Scores batches with a fixed list of reward functions.
 
-    def __init__(self, functions: Sequence[RewardFunction]):
+    guard: wraps each call of a function (given its name), e.g. to note which plugin the
+    process is inside of, so a crash in plugin code can be blamed on the plugin.
+    """
+
+    def __init__(
+        self,
+        functions: Sequence[RewardFunction],
+        guard: Callable[[str], AbstractContextManager[None]] | None = None,
+    ):
         names = [function.name for function in functions]
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
             raise ValueError(f"reward names must be unique; repeated: {', '.join(repeated)}")
         self.functions = tuple(functions)
+        self._guard = guard or (lambda _name: contextlib.nullcontext())
 
     def score(
         self, prompts: list[str], completions: list[str], rows: list[Mapping[str, Any]]
@@ -94,10 +105,10 @@ class RewardRunner:
                 "each needs one entry per completion"
             )
         columns = _columns(rows)
-        per_function = {
-            function.name: _run(function, prompts, completions, columns)
-            for function in self.functions
-        }
+        per_function = {}
+        for function in self.functions:
+            with self._guard(function.name):
+                per_function[function.name] = _run(function, prompts, completions, columns)
         total = [
             math.fsum(
                 function.weight * per_function[function.name][i] for function in self.functions

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import math
 import platform
 import secrets
@@ -47,6 +48,8 @@ from rollout.planner.memory import (
 )
 from rollout.planner.placement import build_graph
 from rollout.planner.reward_model import resolve_reward_model
+from rollout.planner.runnable import run_refusals
+from rollout.planner.trackers import tracker_issues
 from rollout.plugins.resolve import installed_version
 
 T = TypeVar("T")
@@ -88,10 +91,15 @@ def build_plan(
     device = _resolve_device(run_config, hardware, issues)
     if model is not None:
         issues.extend(_context_issues(run_config, model))
+        issues.extend(_remote_code_issues(run_config, model))
     issues.extend(_device_issues(run_config, device))
+    issues.extend(tracker_issues(run_config))
     graph = build_graph(run_config, device) if device is not None else None
     if graph is not None:
         issues.extend(_learner_split_issues(run_config, graph))
+    # What `run` cannot do yet is refused now, by the same checks its preflight makes.
+    issues.extend(run_refusals(run_config, graph))
+    issues.extend(_thread_issues(run_config, hardware))
     if issues:
         raise PlanError(issues, source=str(config_path) if config_path else None)
     assert model is not None and graph is not None  # no issues means every stage produced
@@ -192,8 +200,17 @@ def _resolve_rewards(
     config: RunConfig, base: Path, fields: dict[str, set[str]], issues: list[Issue]
 ) -> list[PluginIdentity]:
     from rollout.harness.rewards import BUILTIN_REWARDS
-    from rollout.plugins.resolve import check_reward_signature, resolve_plugin
+    from rollout.plugins.probe import probe_imports
+    from rollout.plugins.resolve import check_reward_signature, import_probe, resolve_plugin
 
+    # A plugin whose import hangs or crashes the interpreter is found in a child process first.
+    probes = [
+        import_probe(spec.fn, base_dir=base, used_by=f"rewards[{i}].fn", builtins=BUILTIN_REWARDS)
+        for i, spec in enumerate(config.rewards)
+        if spec.fn is not None
+    ]
+    failed = probe_imports([p for p in probes if p is not None])
+    issues.extend(failed.values())
     identities = []
     for i, spec in enumerate(config.rewards):
         if spec.model is not None:
@@ -204,6 +221,8 @@ def _resolve_rewards(
                 ),
             )
             identities.extend([found] if found is not None else [])
+            continue
+        if f"rewards[{i}].fn" in failed:
             continue
         used_by = f"rewards[{i}].fn"
         resolved = _collect(
@@ -296,6 +315,22 @@ def _device_issues(config: RunConfig, device: str | None) -> list[Issue]:
     return issues
 
 
+def _thread_issues(config: RunConfig, hardware: HardwareFacts) -> list[Issue]:
+    threads = config.cluster.threads_per_process
+    if threads is None or threads <= hardware.cpu_count:
+        return []
+    return [
+        Issue(
+            "cluster.threads_per_process",
+            f"{threads} threads per process, but this machine gives a process "
+            f"{hardware.cpu_count} CPU cores: more threads than cores make every step slower",
+            value=threads,
+            hint=f"use {hardware.cpu_count} or fewer, or remove it (the cores are then divided "
+            "among the node's processes)",
+        )
+    ]
+
+
 def _context_issues(config: RunConfig, model: ModelFacts) -> list[Issue]:
     limit = model.context_length
     if config.algorithm.kind in ONLINE_KINDS:
@@ -321,6 +356,32 @@ def _context_issues(config: RunConfig, model: ModelFacts) -> list[Issue]:
             )
         ]
     return []
+
+
+def _remote_code_issues(config: RunConfig, model: ModelFacts) -> list[Issue]:
+    """model.trust_remote_code allows code a Hugging Face checkpoint ships (an `auto_map` in its
+    config.json or tokenizer_config.json); with none, it would be accepted and ignored."""
+    if not config.model.trust_remote_code:
+        return []
+    if model.format == "hf":
+        directory = Path(model.location.removeprefix("file://"))
+        for name in ("config.json", "tokenizer_config.json"):
+            try:
+                found = json.loads((directory / name).read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            if isinstance(found, dict) and found.get("auto_map"):
+                return []
+    what = {"builtin": "a builtin model", "gguf": "a GGUF file"}.get(model.format, model.location)
+    return [
+        Issue(
+            "model.trust_remote_code",
+            f"{what} ships no model code (no auto_map in config.json or tokenizer_config.json): "
+            "there is nothing to trust",
+            value=True,
+            hint="remove model.trust_remote_code",
+        )
+    ]
 
 
 def _learner_split_issues(config: RunConfig, graph: Graph) -> list[Issue]:

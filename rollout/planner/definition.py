@@ -8,13 +8,29 @@ the memory estimate, versions and seeds. Building it (builder.py), writing and v
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import PurePath
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from rollout.config.root import RunConfig
+from rollout.config.rules import run_rules
 
 FORMAT_VERSION = 1
+
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+"""A run id names a directory and a store row: no '/', no whitespace, never '.' or '..'."""
+
+Count = Annotated[int, Field(ge=1)]
+
+
+def _no_parent_steps(path: str) -> str:
+    if ".." in PurePath(path).parts:
+        raise ValueError(f"must not climb out with '..', got {path!r}")
+    return path
+
+
+DirectPath = Annotated[str, AfterValidator(_no_parent_steps)]
 
 
 class Frozen(BaseModel):
@@ -142,17 +158,17 @@ class Derived(Frozen):
     """Values computed from the config by the builder (the only place they are computed)."""
 
     dtype: Literal["float32", "bfloat16", "float16"]
-    run_dir: str
+    run_dir: DirectPath
     store: str = Field(description="Run store location (sqlite path or a DSN reference).")
     artifacts: str
-    threads_per_process: int
-    prompts_per_step: int | None = None
-    minibatch_size: int
-    micro_batch_size: int
-    grad_accumulation: int
-    optimizer_steps_per_step: int | None = None
-    total_steps: int
-    max_sequence_length: int
+    threads_per_process: Count
+    prompts_per_step: Count | None = None
+    minibatch_size: Count
+    micro_batch_size: Count
+    grad_accumulation: Count
+    optimizer_steps_per_step: Count | None = None
+    total_steps: Count
+    max_sequence_length: Count
 
 
 class Versions(Frozen):
@@ -172,9 +188,13 @@ class Seeds(Frozen):
 
 
 class Plan(Frozen):
-    """Everything a run needs, frozen. Equal plans serialize to equal plan.lock files."""
+    """Everything a run needs, frozen. Equal plans serialize to equal plan.lock files.
 
-    run_id: str
+    A plan.lock is input too: reading one validates every field, the config's cross-field rules
+    and the graph's shape again, so a lock edited with a recomputed hash is refused all the same.
+    """
+
+    run_id: str = Field(pattern=RUN_ID_PATTERN)
     created_at: str = Field(description="UTC time of planning, ISO 8601.")
     config_path: str | None = Field(description="Absolute path of the config file, if any.")
     config_sha256: str | None
@@ -189,6 +209,24 @@ class Plan(Frozen):
     memory: list[MemoryEstimate]
     versions: Versions
     seeds: Seeds
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Plan:
+        problems = [
+            str(issue) for issue in run_rules(self.config, available=set(RunConfig.model_fields))
+        ]
+        graph = self.graph
+        if graph.world_size != graph.nnodes * graph.nproc_per_node:
+            problems.append(f"graph.world_size {graph.world_size} is not nnodes x nproc_per_node")
+        if [p.rank for p in graph.processes] != list(range(graph.world_size)):
+            problems.append("graph.processes must hold ranks 0..world_size-1 in order")
+        if len(self.seeds.per_rank) != graph.world_size:
+            problems.append("seeds.per_rank must hold one seed per rank")
+        if PurePath(self.derived.run_dir).name != self.run_id:
+            problems.append("derived.run_dir must end in the run id")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
     @classmethod
     def from_file(cls, path: str, *, check_fresh: bool = True) -> Plan:

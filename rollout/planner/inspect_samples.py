@@ -68,8 +68,7 @@ def record_check(
     if model is None:
         return None, []
     if config.data.use_chat_template and not model.chat_template:
-        if kind in ONLINE_KINDS:
-            return None, []  # no prompt can be counted; the worker refuses it at its first step
+        # Refused here for every kind: the worker could only refuse it at its first step.
         return None, [
             Issue(
                 "data.use_chat_template",
@@ -78,7 +77,18 @@ def record_check(
                 hint="set data.use_chat_template = false, or give model.chat_template",
             )
         ]
-    tokenizer = plan_tokenizer.load(model, config.model, base_dir=base_dir)
+    try:
+        tokenizer = plan_tokenizer.load(model, config.model, base_dir=base_dir)
+    except plan_tokenizer.NoEndOfSequence:
+        return None, [
+            Issue(
+                "model",
+                "neither the model's config nor its tokenizer names an end-of-sequence token: "
+                "no completion could ever end",
+                hint="set eos_token_id in the model's config.json or generation_config.json, "
+                "or eos_token in tokenizer_config.json",
+            )
+        ]
     if tokenizer is None or (config.data.use_chat_template and not tokenizer.has_chat_template):
         # The second: the tokenizer read here lacks the template the model's facts promise (a
         # GGUF's converted copy without one); the worker, which uses that copy, reports it.

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rollout.errors import Issue
+from rollout.errors import Issue, PlanError
 from rollout.planner.fingerprint import is_url
 
 
@@ -86,7 +86,31 @@ def not_found(
     return Issue(path, f"{what} not found: {location}", value=value, hint=hint)
 
 
+def filesystem_package(url: str) -> str | None:
+    """The package fsspec needs for `url`'s scheme when it is not installed ('s3fs' for s3://),
+    or None when nothing is missing (or fsspec knows no such scheme: fsspec says so itself)."""
+    import importlib.util
+
+    from fsspec.registry import known_implementations
+
+    known = known_implementations.get(url.split("://", 1)[0].lower())
+    if known is None:
+        return None
+    module = known["class"].split(".", 1)[0]
+    return None if importlib.util.find_spec(module) is not None else module
+
+
 def _filesystem(url: str) -> tuple[Any, str]:
     import fsspec  # only remote locations pay for fsspec
 
+    package = filesystem_package(url)
+    if package is not None:
+        scheme = url.split("://", 1)[0]
+        raise PlanError(
+            Issue(
+                url,
+                f"reading {scheme}:// needs the {package} package, which is not installed here",
+                hint=f"pip install {package}",
+            )
+        )
     return fsspec.core.url_to_fs(url)

@@ -135,6 +135,11 @@ def _builtin(name: str, override: str | None) -> PlanTokenizer:
     )
 
 
+class NoEndOfSequence(ValueError):
+    """Neither the model's config nor its tokenizer names an end-of-sequence token: the worker
+    would refuse the model (rollout.runtime.models), so the plan does."""
+
+
 def _from_directory(
     directory: str, override: str | None, *, model_eos: int | None
 ) -> PlanTokenizer | None:
@@ -154,7 +159,7 @@ def _from_directory(
     if eos is None and "eos_token" in special:
         eos = tokenizer.token_to_id(special["eos_token"])
     if eos is None:
-        return None
+        raise NoEndOfSequence(directory)
     return PlanTokenizer(
         tokenizer,
         chat_template=override or _own_template(files, config),

@@ -31,6 +31,7 @@ from typing import Any
 from rollout.errors import Issue, PlanError
 from rollout.planner.definition import PluginIdentity
 from rollout.planner.fingerprint import sha256_bytes, sha256_file
+from rollout.plugins.probe import Probe
 
 _FILE_REF = re.compile(r"^(?P<file>[^:]+\.py):(?P<attr>[A-Za-z_][A-Za-z0-9_.]*)$")
 _MODULE_REF = re.compile(r"^(?P<module>[A-Za-z_][\w.]*):(?P<attr>[A-Za-z_][A-Za-z0-9_.]*)$")
@@ -60,6 +61,26 @@ def resolve_plugin(
     if ref in builtins:
         return _resolve_builtin(ref, builtins[ref], used_by)
     return _resolve_entry_point(ref, group, builtins, used_by)
+
+
+def import_probe(
+    ref: str,
+    *,
+    base_dir: Path,
+    used_by: str,
+    group: str = "rollout.rewards",
+    builtins: Mapping[str, Callable[..., Any]],
+) -> Probe | None:
+    """What importing ``ref`` would import, for rollout.plugins.probe; None for a built-in (our
+    own code) or a file that is not there (resolve_plugin says so)."""
+    if match := _FILE_REF.match(ref):
+        path = (Path(base_dir) / match["file"]).resolve()
+        return Probe(used_by, ref, "file", str(path)) if path.is_file() else None
+    if match := _MODULE_REF.match(ref):
+        return Probe(used_by, ref, "module", match["module"])
+    if ref in builtins:
+        return None
+    return Probe(used_by, ref, "entry_point", ref, group)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,12 +19,17 @@ finished checkpoint or a temp directory, which readers ignore and the next save 
 Only tensors go to safetensors and everything else to JSON, so reading a checkpoint never unpickles
 anything. One process (rank 0) writes to a root at a time. The RNG states are that process's own.
 
-Every operation on directories (listing, staging, publishing, deleting) lives in the section at the
-end, so that moving checkpoints to fsspec artifact stores changes one place.
+`root` is a local directory or an fsspec URL (`s3://bucket/prefix`, `gs://bucket/prefix`:
+storage.artifacts). A remote checkpoint is staged in a local temporary directory, then uploaded
+file by file with COMPLETE last (an object store has no atomic rename: a checkpoint without its
+marker is ignored, and its step is replaced by the next save of it); loading one downloads it to
+a local temporary directory first. Every operation on directories (listing, staging,
+publishing, deleting) lives in the section at the end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -32,7 +37,7 @@ import re
 import secrets
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +45,8 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+from rollout.planner.fingerprint import is_url
 
 FORMAT_VERSION = 1
 COMPLETE = "COMPLETE"
@@ -88,27 +95,27 @@ def save_checkpoint(
     trainer_json = _dumps(
         {"format_version": FORMAT_VERSION, "step": step, "trainer_state": trainer_state}
     )
-    root = Path(root)
-    final = root / f"step-{step:06d}"
-    staging = _stage(root, final.name)
+    name = f"step-{step:06d}"
+    staging = _stage(root, name)
     model.save_pretrained(staging / "model")
     tokenizer.save_pretrained(staging / "model")
     if optimizer is not None:
         _save_optimizer(staging, optimizer)
     if scheduler is not None:
         _write_json(staging / "scheduler.json", scheduler.state_dict())
-    for name, extra in (extras or {}).items():
-        _save_extra(staging / name, extra, with_optimizer=optimizer is not None)
+    for extra_name, extra in (extras or {}).items():
+        _save_extra(staging / extra_name, extra, with_optimizer=optimizer is not None)
     _save_rng(staging)
     (staging / "trainer.json").write_text(trainer_json, encoding="utf-8")
-    _publish(staging, final)
+    final = _publish(staging, root, name)
     prune(root, keep_last)
     return final
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step under `root`, or None if there is none."""
-    complete = _complete_checkpoints(Path(root))
+def latest_checkpoint(root: str | Path) -> Path | str | None:
+    """The complete checkpoint with the highest step under `root` (a URL when `root` is one),
+    or None if there is none."""
+    complete = _complete_checkpoints(root)
     return complete[-1] if complete else None
 
 
@@ -123,6 +130,11 @@ def load_checkpoint(
     """Restore weights (in place, strictly), optimizer, scheduler and RNG states from a checkpoint;
     return the trainer state it was saved with. Pass None for an optimizer or scheduler that
     should keep its fresh state."""
+    if is_url(path):
+        with _downloaded(str(path)) as local:
+            return load_checkpoint(
+                local, model=model, optimizer=optimizer, scheduler=scheduler, extras=extras
+            )
     path = Path(path)
     if not (path / COMPLETE).is_file():
         raise ValueError(f"{path} is not a complete checkpoint (it has no {COMPLETE} marker)")
@@ -145,11 +157,10 @@ def load_checkpoint(
 
 def prune(root: str | Path, keep_last: int) -> None:
     """Delete every checkpoint under `root` but the `keep_last` newest complete ones."""
-    root = Path(root)
     keep = set(_complete_checkpoints(root)[-keep_last:])
     for directory in _step_dirs(root):
         if directory not in keep:
-            shutil.rmtree(_move_aside(directory))
+            _delete(directory)
 
 
 # --- Weights -------------------------------------------------------------------------------------
@@ -354,11 +365,17 @@ def _saved(directory: Path, name: str) -> Path:
 
 
 # --- Directories ---------------------------------------------------------------------------------
+#
+# A checkpoint directory is a Path under a local root, or a URL string under a remote one.
 
 
-def _stage(root: Path, name: str) -> Path:
-    """A fresh temp directory to write checkpoint `name` into, after deleting the leftovers of
-    saves that crashed."""
+def _stage(root: str | Path, name: str) -> Path:
+    """A fresh local temp directory to write checkpoint `name` into: beside the checkpoints
+    under a local root (after deleting the leftovers of saves that crashed), in the system's
+    temp directory for a remote one."""
+    if is_url(root):
+        return Path(tempfile.mkdtemp(prefix=f"rollout-{name}-"))
+    root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     for entry in root.iterdir():
         if _TEMP_DIR.fullmatch(entry.name) and entry.is_dir():
@@ -366,8 +383,11 @@ def _stage(root: Path, name: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
 
 
-def _publish(staging: Path, final: Path) -> None:
-    """Make `staging` durable, mark it complete, and rename it to `final` (replacing any)."""
+def _publish(staging: Path, root: str | Path, name: str) -> Path | str:
+    """Make `staging` checkpoint `name` under `root` (replacing any), complete last."""
+    if is_url(root):
+        return _upload(staging, str(root), name)
+    final = Path(root) / name
     for path in sorted(staging.rglob("*"), reverse=True):  # files before their directories
         _fsync(path)
     marker = staging / COMPLETE
@@ -381,6 +401,43 @@ def _publish(staging: Path, final: Path) -> None:
     _fsync(final.parent)
     if replaced is not None:
         shutil.rmtree(replaced)
+    return final
+
+
+def _upload(staging: Path, root: str, name: str) -> str:
+    fs, base = _filesystem(root)
+    target = f"{base.rstrip('/')}/{name}"
+    try:
+        if fs.exists(target):  # a checkpoint of this step, complete or cut short: replaced
+            fs.rm(target, recursive=True)
+        for path in sorted(p for p in staging.rglob("*") if p.is_file()):
+            fs.put_file(str(path), f"{target}/{path.relative_to(staging).as_posix()}")
+        marker = staging / COMPLETE
+        marker.touch()
+        fs.put_file(str(marker), f"{target}/{COMPLETE}")  # last: now it is a checkpoint
+    finally:
+        shutil.rmtree(staging)
+    return f"{root.rstrip('/')}/{name}"
+
+
+@contextlib.contextmanager
+def _downloaded(url: str) -> Iterator[Path]:
+    fs, path = _filesystem(url)
+    with tempfile.TemporaryDirectory(prefix="rollout-checkpoint-") as local:
+        for remote in fs.find(path):
+            relative = remote[len(path.rstrip("/")) + 1 :]
+            destination = Path(local, relative)
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(remote, str(destination))
+        yield Path(local)
+
+
+def _delete(directory: Path | str) -> None:
+    if isinstance(directory, str):
+        fs, path = _filesystem(directory)
+        fs.rm(path, recursive=True)
+    else:
+        shutil.rmtree(_move_aside(directory))
 
 
 def _move_aside(directory: Path) -> Path:
@@ -399,8 +456,18 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _step_dirs(root: Path) -> list[Path]:
+def _step_dirs(root: str | Path) -> list[Path] | list[str]:
     """Checkpoint directories under `root`, complete or not, by step."""
+    if is_url(root):
+        fs, base = _filesystem(str(root))
+        if not fs.exists(base):
+            return []
+        names = [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(base, detail=False)]
+        steps = sorted(
+            (int(match.group(1)), name) for name in names if (match := _STEP_DIR.fullmatch(name))
+        )
+        return [f"{str(root).rstrip('/')}/{name}" for _, name in steps]
+    root = Path(root)
     if not root.is_dir():
         return []
     found = [
@@ -411,5 +478,14 @@ def _step_dirs(root: Path) -> list[Path]:
     return [entry for _, entry in sorted(found)]
 
 
-def _complete_checkpoints(root: Path) -> list[Path]:
+def _complete_checkpoints(root: str | Path) -> list[Path] | list[str]:
+    if is_url(root):
+        fs, _ = _filesystem(str(root))
+        return [d for d in _step_dirs(root) if fs.exists(_filesystem(f"{d}/{COMPLETE}")[1])]
     return [directory for directory in _step_dirs(root) if (directory / COMPLETE).is_file()]
+
+
+def _filesystem(url: str) -> tuple[Any, str]:
+    import fsspec
+
+    return fsspec.core.url_to_fs(url)

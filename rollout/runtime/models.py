@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+from transformers.utils import logging as transformers_logging
 
 from rollout.cache import built_once
 from rollout.config.model import ModelSection
@@ -47,6 +48,9 @@ def load_model(
     base_dir); None means the working directory.
     """
     base = Path(base_dir) if base_dir is not None else Path.cwd()
+    # rollout draws its own progress (a run's bar, generate's); transformers' loading bar would
+    # tear it, and clutters every test that loads a model.
+    transformers_logging.disable_progress_bar()
     directory, model_kwargs = _weights_source(facts)
     model_kwargs.update(dtype=getattr(torch, dtype), trust_remote_code=section.trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(directory, **model_kwargs)

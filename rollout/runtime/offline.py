@@ -63,7 +63,7 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
     plan, config = ctx.plan, ctx.plan.config
     run = _build(ctx)
     checkpoints = RunState(
-        Path(plan.derived.artifacts),
+        plan.derived.artifacts,
         run.model,
         run.tokenizer,
         run.optimizer,
@@ -87,6 +87,8 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
             checkpoints.save(ctx, writer, step - 1)
             return
         started = time.perf_counter()
+        if ctx.activity is not None:
+            ctx.activity.at_step(step)
         rows = run.stream.take(per_rank)
         log.debug("step %d samples %s", step, ",".join(f"{r.epoch}:{r.index}" for r in rows))
         metrics, tokens = _optimizer_step(ctx, run, [r.index for r in rows])

@@ -37,9 +37,10 @@ log = logging.getLogger("rollout.checkpoint")
 
 @dataclass
 class RunState:
-    """The parts of a run a checkpoint holds, saved under `root` (the plan's artifacts)."""
+    """The parts of a run a checkpoint holds, saved under `root` (the plan's artifacts: a local
+    directory or an fsspec URL)."""
 
-    root: Path
+    root: str | Path
     model: Any
     tokenizer: Any
     optimizer: torch.optim.Optimizer

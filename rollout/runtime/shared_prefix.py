@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from rollout.algorithms.losses import entropy_from_logits, token_logprobs
+from rollout.engines.base import cache_keyword
 from rollout.runtime.batch import RolloutBatch
 
 
@@ -66,7 +67,7 @@ def shared_prefix_logprobs(
         input_ids=prompt_ids.to(device),
         attention_mask=prompt_mask.to(device),
         position_ids=prompt_positions.to(device),
-        past_key_values=cache,
+        **{cache_keyword(model): cache},
         use_cache=True,
         logits_to_keep=1,  # the last prompt position predicts each completion's first token
     )
@@ -89,7 +90,7 @@ def shared_prefix_logprobs(
         input_ids=completion_ids.to(device),
         attention_mask=mask.to(device),
         position_ids=positions.to(device),
-        past_key_values=cache,
+        **{cache_keyword(model): cache},
         use_cache=True,
         logits_to_keep=longest,
     )

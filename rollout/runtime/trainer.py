@@ -8,6 +8,7 @@ only moves data between the roles.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from rollout.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from rollout.config.rules import kl_in_reward
 from rollout.engines.base import Engine, SamplingParams
 from rollout.engines.hf import HfEngine
 from rollout.harness.reward_runner import RewardRunner
@@ -81,7 +83,7 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
     # of it is empty.
     evaluates = config.data.eval is not None and any(f.split == "eval" for f in plan.data)
     checkpoints = RunState(
-        Path(plan.derived.artifacts),
+        plan.derived.artifacts,
         roles.learner.model,
         roles.tokenizer,
         roles.learner.optimizer,
@@ -106,6 +108,8 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
             checkpoints.save(ctx, writer, step - 1, {"policy_version": roles.engine.policy_version})
             return
         started = time.perf_counter()
+        if ctx.activity is not None:
+            ctx.activity.at_step(step)
         rows = stream.take(prompts_per_rank)
         log.debug("step %d prompts %s", step, ",".join(f"{r.epoch}:{r.index}" for r in rows))
         seed = derive_seed(plan.seeds.sampling, f"{step}:{ctx.rank}")
@@ -179,7 +183,7 @@ def _build_roles(ctx: WorkerContext) -> Roles:
     actor = Actor(
         engine,
         prompt_format,
-        RewardRunner(build_reward_functions(plan)),
+        RewardRunner(build_reward_functions(plan), guard=_inside_reward(ctx)),
         _sequence_advantages(algo),
         SamplingParams(
             max_new_tokens=gen.max_new_tokens,
@@ -196,13 +200,12 @@ def _build_roles(ctx: WorkerContext) -> Roles:
         reference = copy.deepcopy(model).eval()
         reference.requires_grad_(False)
     # PPO's classic KL penalty, and REINFORCE++'s, is part of the token rewards, not the loss.
-    kl_in_reward = algo.kind == "reinforce_pp" or (
-        algo.kind == "ppo" and algo.kl_penalty == "reward"
-    )
+    in_reward = kl_in_reward(config)
     optimizer_steps = plan.derived.total_steps * plan.derived.optimizer_steps_per_step
     critic = _build_critic(model, algo, optimizer_steps) if algo.kind == "ppo" else None
+    head = critic.model.head if critic and critic.shares_policy else None
     optimizer = build_optimizer(
-        model, algo, extra=critic.model.head if critic and critic.shares_policy else None
+        model, algo, extra=head, extra_lr=algo.critic_lr if head is not None else None
     )
     learner = Learner(
         model,
@@ -214,7 +217,7 @@ def _build_roles(ctx: WorkerContext) -> Roles:
             update_epochs=algo.update_epochs,
             clip_ratio_low=algo.clip_ratio_low,
             clip_ratio_high=algo.clip_ratio_high,
-            kl_coef=0.0 if kl_in_reward else algo.kl_coef,
+            kl_coef=0.0 if in_reward else algo.kl_coef,
             kl_estimator=algo.kl_estimator,
             loss_aggregation=algo.loss_aggregation,
             max_grad_norm=algo.max_grad_norm,
@@ -223,7 +226,7 @@ def _build_roles(ctx: WorkerContext) -> Roles:
         ),
         pad_token_id=loaded.pad_token_id,
         device=ctx.device,
-        reference=None if kl_in_reward else reference,
+        reference=None if in_reward else reference,
         critic=critic,
     )
     token_advantages = None
@@ -233,9 +236,9 @@ def _build_roles(ctx: WorkerContext) -> Roles:
             logprobs=learner.completion_logprobs,
             pad_token_id=loaded.pad_token_id,
             device=ctx.device,
-            reference=reference if kl_in_reward else None,
+            reference=reference if in_reward else None,
             kl_coef=algo.kl_coef,
-            kl_in_reward=kl_in_reward,
+            kl_in_reward=in_reward,
             gamma=algo.gamma,
             lam=getattr(algo, "lam", 1.0),
             critic=critic,
@@ -250,6 +253,21 @@ def _build_roles(ctx: WorkerContext) -> Roles:
         prompt_format=prompt_format,
         token_advantages=token_advantages,
     )
+
+
+def _inside_reward(ctx: WorkerContext) -> Callable[[str], Any]:
+    """Notes, for the host, which reward plugin this worker is running (see runtime/activity)."""
+    labels = {
+        spec.metric_name: f"reward {spec.metric_name!r} (rewards[{i}]: {spec.fn or spec.model})"
+        for i, spec in enumerate(ctx.plan.config.rewards)
+    }
+
+    def guard(name: str) -> Any:
+        if ctx.activity is None:
+            return contextlib.nullcontext()
+        return ctx.activity.inside(labels.get(name, f"reward {name!r}"))
+
+    return guard
 
 
 def _build_engine(ctx: WorkerContext, loaded, model: torch.nn.Module) -> Engine:

@@ -10,6 +10,7 @@ in the run store, and exits non-zero. SIGTERM asks it to stop after the current 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -21,7 +22,11 @@ from threading import Event
 from typing import TYPE_CHECKING
 
 from rollout.config.algorithm import OFFLINE_KINDS
+from rollout.executor.failure import error_file, fault_file
+from rollout.executor.processes import RUN_TOKEN_ENV, die_with_parent
 from rollout.planner.definition import Plan
+from rollout.redact import redact_text
+from rollout.runtime.activity import Activity, activity_file
 
 if TYPE_CHECKING:
     from rollout.storage.writer import BackgroundWriter
@@ -38,6 +43,8 @@ class WorkerContext:
     local_rank: int
     world_size: int
     stop: Event = field(default_factory=Event)
+    activity: Activity | None = None
+    """Where this worker is (step, plugin), for the host to report if it dies without a word."""
 
     @property
     def is_main(self) -> bool:
@@ -52,29 +59,33 @@ class WorkerContext:
         return self.plan.graph.processes[self.rank].roles
 
 
-def error_file(run_dir: str | Path, rank: int) -> Path:
-    return Path(run_dir) / "errors" / f"rank-{rank}.txt"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rollout-worker")
     parser.add_argument("--plan", required=True)
     args = parser.parse_args(argv)
+    if os.environ.get(RUN_TOKEN_ENV):  # started by a host: die with torchrun, never outlive it
+        die_with_parent(os.getppid())
 
     plan = Plan.from_file(args.plan, check_fresh=False)  # the host verified it before launch
+    rank = int(os.environ.get("RANK", "0"))
     context = WorkerContext(
         plan=plan,
-        rank=int(os.environ.get("RANK", "0")),
+        rank=rank,
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        activity=Activity(activity_file(plan.derived.run_dir, rank)),
     )
+    fault = _dump_stacks_on_fatal_signals(plan.derived.run_dir, rank)
     signal.signal(signal.SIGTERM, lambda *_: context.stop.set())
     signal.signal(signal.SIGINT, lambda *_: context.stop.set())
 
+    from rollout.runtime.trackers import metric_sinks
     from rollout.storage import open_store
     from rollout.storage.writer import BackgroundWriter, StoreLogHandler
 
-    writer = BackgroundWriter(lambda: open_store(plan.derived.store))
+    # Rank 0's trackers: the writer feeds them off the hot path and closes them when it closes.
+    sinks = metric_sinks(plan, context.rank)
+    writer = BackgroundWriter(lambda: open_store(plan.derived.store), sinks=sinks)
     role = "+".join(context.roles)
     _configure_logging(StoreLogHandler(writer, plan.run_id, context.rank, role), plan)
     try:
@@ -87,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         train(context, writer)
         return 0
     except BaseException as error:  # the traceback must reach the user, whatever it was
-        text = "".join(traceback.format_exception(error))
+        text = redact_text("".join(traceback.format_exception(error)))
         path = error_file(plan.derived.run_dir, context.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
@@ -96,6 +107,25 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         _close_quietly(writer)
         _teardown_torch()
+        _close_fault_file(fault)
+
+
+def _dump_stacks_on_fatal_signals(run_dir: str, rank: int):
+    """A segfault or abort in native code (a plugin's C extension, say) leaves every thread's
+    Python stack in errors/rank-N.fault, where the host finds the plugin's file and line."""
+    path = fault_file(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = path.open("w", encoding="utf-8")
+    faulthandler.enable(file=handle, all_threads=True)
+    return handle
+
+
+def _close_fault_file(handle) -> None:
+    faulthandler.disable()
+    handle.close()
+    path = Path(handle.name)
+    if path.stat().st_size == 0:  # nothing happened: leave no empty file to puzzle over
+        path.unlink()
 
 
 def _close_quietly(writer: BackgroundWriter) -> None:

@@ -11,9 +11,18 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-RunStatus = Literal["planned", "running", "stopped", "failed", "finished"]
-RUN_STATUSES: tuple[RunStatus, ...] = ("planned", "running", "stopped", "failed", "finished")
-FINAL_STATUSES: tuple[RunStatus, ...] = ("stopped", "failed", "finished")
+RunStatus = Literal["planned", "running", "stopped", "failed", "finished", "lost"]
+RUN_STATUSES: tuple[RunStatus, ...] = (
+    "planned",
+    "running",
+    "stopped",
+    "failed",
+    "finished",
+    "lost",
+)
+FINAL_STATUSES: tuple[RunStatus, ...] = ("stopped", "failed", "finished", "lost")
+"""Statuses of a run that is not going on. 'lost': its owner died without saying how it ended
+(its lease ran out); like 'stopped' and 'failed', re-running the plan resumes it."""
 LogLevel = Literal["debug", "info", "warning", "error"]
 LOG_LEVELS: tuple[LogLevel, ...] = ("debug", "info", "warning", "error")
 """Least to most severe: filtering on a level keeps that level and the ones after it."""
@@ -35,6 +44,10 @@ class RunRecord:
     cancel_requested: bool
     last_step: int | None = None
     """The highest step any metric of this run was written for; None before the first."""
+    owner: str | None = None
+    """Who runs it (rollout.executor.ownership.Owner as JSON), while it runs."""
+    lease_expires_at: float | None = None
+    """The owner renews this while it lives; a running run past it is lost."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +98,28 @@ class RunStore(Protocol):
 
     def request_cancel(self, run_id: str) -> None:
         """Set cancel_requested; the executor stops the run. KeyError if it does not exist."""
+
+    # --- ownership: one owner runs a run, and proves it is alive by renewing a lease
+    def claim_run(self, run_id: str, owner: str, *, lease_s: float) -> str | None:
+        """Atomically make `owner` the run's owner, status 'running', as a fresh start
+        (started_at now; ended_at, error and any leftover cancel request cleared), unless
+        another owner's lease is still live: then change nothing and return that owner.
+        KeyError if the run does not exist."""
+
+    def renew_lease(self, run_id: str, owner: str, *, lease_s: float) -> bool:
+        """Extend `owner`'s lease by `lease_s` from now; False if the run is not `owner`'s."""
+
+    def end_run(
+        self, run_id: str, owner: str, status: RunStatus, *, error: str | None = None
+    ) -> bool:
+        """The owner's final word: `status`, ended_at now, lease released. False (and nothing
+        changed) if the run is no longer `owner`'s."""
+
+    def mark_lost(self, run_id: str, owner: str, *, error: str) -> bool:
+        """A running run whose `owner` is known to be dead becomes 'lost' now."""
+
+    def expire_leases(self, *, now: float | None = None) -> list[str]:
+        """Every running run whose lease ran out becomes 'lost'; their ids."""
 
     def get_run(self, run_id: str) -> RunRecord | None: ...
     def list_runs(self, *, status: RunStatus | None = None, limit: int = 50) -> list[RunRecord]:

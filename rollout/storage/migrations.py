@@ -62,4 +62,46 @@ MIGRATIONS: list[Migration] = [
         );
         """,
     ),
+    (
+        2,
+        # Runs get an owner and a lease (one host owns a running run and renews its lease; a run
+        # whose lease ran out is 'lost'), so the status CHECK grows a value. SQLite cannot alter a
+        # CHECK: the table is rebuilt (the documented 12-step way; foreign keys are off while
+        # migrations run, so dropping the old table cascades to nothing).
+        # A resumed run redoes the steps after its checkpoint: one row per (run, metric, step),
+        # the latest write winning, so its metrics are not stored twice.
+        """
+        CREATE TABLE runs_new (
+            run_id TEXT PRIMARY KEY,
+            name TEXT NOT NULL,
+            status TEXT NOT NULL
+                CHECK (status IN ('planned', 'running', 'stopped', 'failed', 'finished', 'lost')),
+            plan_sha256 TEXT NOT NULL,
+            plan_path TEXT NOT NULL,
+            run_dir TEXT NOT NULL,
+            created_at REAL NOT NULL,
+            started_at REAL,
+            ended_at REAL,
+            error TEXT,
+            cancel_requested INTEGER NOT NULL DEFAULT 0,
+            last_step INTEGER,
+            owner TEXT,
+            lease_expires_at REAL
+        );
+        INSERT INTO runs_new (run_id, name, status, plan_sha256, plan_path, run_dir, created_at,
+                              started_at, ended_at, error, cancel_requested, last_step)
+            SELECT run_id, name, status, plan_sha256, plan_path, run_dir, created_at,
+                   started_at, ended_at, error, cancel_requested, last_step FROM runs;
+        DROP TABLE runs;
+        ALTER TABLE runs_new RENAME TO runs;
+        CREATE INDEX runs_by_created ON runs (created_at);
+        CREATE INDEX runs_by_status ON runs (status);
+
+        DELETE FROM metrics WHERE rowid NOT IN (
+            SELECT MAX(rowid) FROM metrics GROUP BY run_id, name, step
+        );
+        DROP INDEX metrics_by_run_name_step;
+        CREATE UNIQUE INDEX metrics_by_run_name_step ON metrics (run_id, name, step);
+        """,
+    ),
 ]

@@ -108,6 +108,77 @@ class SqliteRunStore:
             self._require(run_id)
             self._db["runs"].update(run_id, {"cancel_requested": 1})
 
+    # --- ownership
+
+    def claim_run(self, run_id: str, owner: str, *, lease_s: float) -> str | None:
+        now = time.time()
+        with self.transaction():  # BEGIN IMMEDIATE: two claims cannot both read "free"
+            record = self._require(run_id)
+            live = record.lease_expires_at is not None and record.lease_expires_at > now
+            if record.status == "running" and live and record.owner != owner:
+                return record.owner or "another process"
+            self._db["runs"].update(
+                run_id,
+                {
+                    "status": "running",
+                    "owner": owner,
+                    "lease_expires_at": now + lease_s,
+                    "started_at": now,
+                    "ended_at": None,
+                    "error": None,
+                    "cancel_requested": 0,
+                },
+            )
+        return None
+
+    def renew_lease(self, run_id: str, owner: str, *, lease_s: float) -> bool:
+        with self.transaction():
+            cursor = self._conn.execute(
+                "UPDATE runs SET lease_expires_at = ? "
+                "WHERE run_id = ? AND owner = ? AND status = 'running'",
+                (time.time() + lease_s, run_id, owner),
+            )
+        return cursor.rowcount == 1
+
+    def end_run(
+        self, run_id: str, owner: str, status: RunStatus, *, error: str | None = None
+    ) -> bool:
+        if status not in FINAL_STATUSES:
+            raise ValueError(f"{status!r} is not a final status; expected one of {FINAL_STATUSES}")
+        with self.transaction():
+            cursor = self._conn.execute(
+                "UPDATE runs SET status = ?, error = ?, ended_at = ?, owner = NULL, "
+                "lease_expires_at = NULL WHERE run_id = ? AND owner = ?",
+                (status, error, time.time(), run_id, owner),
+            )
+        return cursor.rowcount == 1
+
+    def mark_lost(self, run_id: str, owner: str, *, error: str) -> bool:
+        with self.transaction():
+            cursor = self._conn.execute(
+                "UPDATE runs SET status = 'lost', error = ?, ended_at = ?, owner = NULL, "
+                "lease_expires_at = NULL WHERE run_id = ? AND owner = ? AND status = 'running'",
+                (error, time.time(), run_id, owner),
+            )
+        return cursor.rowcount == 1
+
+    def expire_leases(self, *, now: float | None = None) -> list[str]:
+        now = time.time() if now is None else now
+        where = "status = 'running' AND (lease_expires_at IS NULL OR lease_expires_at < ?)"
+        with self.transaction():
+            expired = [
+                row[0]
+                for row in self._conn.execute(f"SELECT run_id FROM runs WHERE {where}", (now,))
+            ]
+            self._conn.execute(
+                "UPDATE runs SET status = 'lost', ended_at = COALESCE(lease_expires_at, ?), "
+                "owner = NULL, lease_expires_at = NULL, error = COALESCE(error, "
+                "'its owner stopped renewing its lease (killed, or its machine went away); "
+                f"re-run the plan to resume it') WHERE {where}",
+                (now, now),
+            )
+        return expired
+
     def get_run(self, run_id: str) -> RunRecord | None:
         rows = self._db.query("SELECT * FROM runs WHERE run_id = ?", [run_id])
         return next((_run_record(row) for row in rows), None)
@@ -136,7 +207,8 @@ class SqliteRunStore:
         for row in rows:
             last_steps[row.run_id] = max(row.step, last_steps.get(row.run_id, row.step))
         with self.transaction():
-            self._db["metrics"].insert_all(asdict(row) for row in rows)
+            # A resumed run redoes the steps after its checkpoint: the latest row wins.
+            self._db["metrics"].insert_all((asdict(row) for row in rows), replace=True)
             # Kept on the run so `runs list` needs no scan over every metric row.
             self._conn.executemany(
                 "UPDATE runs SET last_step = MAX(COALESCE(last_step, ?), ?) WHERE run_id = ?",
@@ -249,8 +321,10 @@ def _connect(path: Path, *, create: bool) -> sqlite3.Connection:
     try:
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("PRAGMA synchronous = NORMAL")
-        conn.execute("PRAGMA foreign_keys = ON")
+        # Off while migrating: rebuilding a table (migration 2) must not cascade deletes.
+        conn.execute("PRAGMA foreign_keys = OFF")
         _migrate(conn)
+        conn.execute("PRAGMA foreign_keys = ON")
     except BaseException:
         conn.close()  # not a database, or a newer schema: leave no open handle behind
         raise

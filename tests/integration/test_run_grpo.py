@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,65 +18,9 @@ import pytest
 from safetensors.torch import load_file
 
 from rollout.storage import open_store
-from tests.conftest import EXAMPLES
+from tests.integration.driver import environment, only_run, processes_mentioning, rollout
 
 pytestmark = pytest.mark.slow
-
-LEARNABLE_REWARD = '''
-def sevens(prompts, completions, **_):
-    """The share of the completion's characters that are '7': a tiny model can learn that."""
-    return [c.count("7") / max(1, len(c)) for c in completions]
-'''
-
-SLOW_REWARD = """
-import time
-
-def slow(prompts, completions, **_):
-    time.sleep(0.3)  # keeps each step long enough for the test to kill the run mid-way
-    return [0.0 for _ in completions]
-"""
-
-MARKED_REWARD = """
-def marked(prompts, completions, **_):
-    # 1 for one prompt, whatever the completion: the mean over any set of prompts is known.
-    return [float(p.startswith("What is 8 + 12?")) for p in prompts]
-"""
-
-BROKEN_REWARD = """
-def flaky(prompts, completions, **_):
-    return [float("nan") if i == 2 else 0.0 for i, _ in enumerate(completions)]
-"""
-
-
-@pytest.fixture
-def workdir(tmp_path: Path) -> Path:
-    shutil.copytree(EXAMPLES, tmp_path / "examples")
-    (tmp_path / "examples" / "sevens.py").write_text(LEARNABLE_REWARD)
-    (tmp_path / "examples" / "flaky.py").write_text(BROKEN_REWARD)
-    (tmp_path / "examples" / "slow.py").write_text(SLOW_REWARD)
-    (tmp_path / "examples" / "marked.py").write_text(MARKED_REWARD)
-    return tmp_path
-
-
-def environment(workdir: Path) -> dict[str, str]:
-    return {**os.environ, "ROLLOUT_CACHE": str(workdir / "cache"), "COLUMNS": "200"}
-
-
-def rollout(workdir: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rollout", *args],
-        cwd=workdir,
-        env=environment(workdir),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def only_run(workdir: Path):
-    store = open_store(f"sqlite:{workdir / 'runs' / 'rollout.db'}", create=False)
-    (record,) = store.list_runs()
-    return store, record
 
 
 def test_grpo_tiny_runs_end_to_end(workdir):
@@ -114,6 +57,7 @@ def test_grpo_tiny_runs_end_to_end(workdir):
     logs = rollout(workdir, "logs", "tail", record.run_id)
     assert logs.returncode == 0, logs.stderr
     assert "training grpo for steps 1..3" in logs.stdout
+    assert "step 3/3: reward " in logs.stdout and " s/step" in logs.stdout  # progress, per step
     shown = rollout(workdir, "runs", "show", record.run_id)
     assert shown.returncode == 0 and "finished" in shown.stdout
 
@@ -230,7 +174,7 @@ def _wait_for_checkpoint(workdir: Path, *, step: int, process: subprocess.Popen)
 
 def _kill_everything_running(marker: str) -> None:
     """SIGKILL every process whose command line mentions ``marker`` (host, torchrun, workers)."""
-    for pid in _processes_mentioning(marker):
+    for pid in processes_mentioning(marker):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
@@ -269,7 +213,7 @@ def test_a_stopped_run_is_marked_stopped_and_keeps_its_work(workdir, how):
     assert record.status == "stopped"
     # The workers checkpointed the step they had finished before exiting.
     assert list((workdir / "runs" / run_id / "checkpoints").glob("step-*/COMPLETE"))
-    assert not _processes_mentioning(str(workdir)), "a worker outlived its run"
+    assert not processes_mentioning(str(workdir)), "a worker outlived its run"
 
 
 def _wait_for_step(workdir: Path, *, step: int, process: subprocess.Popen) -> str:
@@ -284,16 +228,6 @@ def _wait_for_step(workdir: Path, *, step: int, process: subprocess.Popen) -> st
                 return runs[0].run_id
         time.sleep(0.3)
     raise AssertionError(f"the run did not reach step {step} within 240 s")
-
-
-def _processes_mentioning(marker: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            with contextlib.suppress(OSError):
-                if marker in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode():
-                    found.append(int(entry.name))
-    return found
 
 
 def test_two_data_parallel_ranks_train_and_checkpoint_both(workdir):

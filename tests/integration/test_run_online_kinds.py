@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_run_grpo import only_run, rollout, workdir  # noqa: F401
+from tests.integration.driver import only_run, rollout
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,7 @@ LEARN = [
 ]
 
 
-def _series(workdir: Path, name: str) -> list[float]:  # noqa: F811
+def _series(workdir: Path, name: str) -> list[float]:
     store, record = only_run(workdir)
     assert record.status == "finished"
     return [m.value for m in store.metrics(record.run_id, [name])]
@@ -42,7 +42,7 @@ def _first_and_last(values: list[float]) -> tuple[float, float]:
     return sum(values[:5]) / 5, sum(values[-5:]) / 5
 
 
-def test_ppo_raises_the_reward_and_its_critic_fits(workdir):  # noqa: F811
+def test_ppo_raises_the_reward_and_its_critic_fits(workdir):
     result = rollout(
         workdir,
         "run",
@@ -68,7 +68,7 @@ def test_ppo_raises_the_reward_and_its_critic_fits(workdir):  # noqa: F811
     assert (checkpoint / "critic" / "optimizer.safetensors").is_file()
 
 
-def test_reinforce_pp_raises_the_reward(workdir):  # noqa: F811
+def test_reinforce_pp_raises_the_reward(workdir):
     result = rollout(
         workdir,
         "run",
@@ -85,7 +85,7 @@ def test_reinforce_pp_raises_the_reward(workdir):  # noqa: F811
     assert last > first + 0.1, rewards
 
 
-def test_ppo_with_a_value_head_resumes_head_and_all(workdir):  # noqa: F811
+def test_ppo_with_a_value_head_resumes_head_and_all(workdir):
     common = [
         "--set",
         'algorithm.critic="value_head"',

@@ -47,6 +47,7 @@ def test_offline_total_steps_come_from_the_data(config_file, base_config):
     base_config["algorithm"] = {"kind": "sft", "batch_size": 4, "epochs": 3, "max_length": 64}
     base_config["data"]["fields"] = {"prompt": "prompt", "completion": "answer"}
     base_config["rewards"] = []
+    del base_config["generation"]  # sft generates nothing
     plan = plan_of(config_file, base_config)
     assert plan.derived.total_steps == 16 // 4 * 3
     assert [r.role for r in plan.graph.roles] == ["learner"]
@@ -69,9 +70,16 @@ def test_colocated_grpo_graph_keeps_edges_in_process(config_file, base_config):
 
 
 def test_split_placement_crosses_processes(config_file, base_config):
+    from rollout.config import validate_config
+    from rollout.planner.placement import build_graph
+
     base_config["algorithm"]["kl_coef"] = 0.1
     base_config["cluster"].update(nproc_per_node=2, placement={"actor": [0], "learner": [1]})
-    graph = plan_of(config_file, base_config).graph
+    # This version cannot run it, so the plan refuses it, saying what works instead...
+    issue = issues_of(config_file, base_config)["cluster.placement"]
+    assert "actor->learner" in issue.message and "remove [cluster.placement]" in issue.hint
+    # ...but the graph it would run is laid out already.
+    graph = build_graph(validate_config(base_config), "cpu")
     roles = {r.role: r.ranks for r in graph.roles}
     assert roles == {"actor": [0], "reward": [0], "reference": [1], "learner": [1]}
     transports = {(e.source, e.target): e.transport for e in graph.edges}

@@ -305,6 +305,7 @@ def test_a_critic_saved_beside_the_policy_round_trips(tmp_path: Path, tokenizer)
         keep_last=1,
         extras={"critic": Extra(critic, optimizer, scheduler)},
     )
+    assert path == tmp_path / "step-000001" and latest_checkpoint(tmp_path) == path
     fresh = value_model_for(tiny_model(1), separate=True)
     fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     load_checkpoint(
@@ -415,3 +416,56 @@ def test_every_rank_resumes_its_cursor_and_its_own_rng(tmp_path: Path, tokenizer
 
 def test_a_fresh_run_has_nothing_to_resume(tmp_path: Path, tokenizer):
     assert run_state(tmp_path / "checkpoints", tokenizer, 0).resume(rank_context(0, 2)) is None
+
+
+# --- fsspec artifact roots (storage.artifacts = "s3://...", "gs://...") ---------------------------
+
+
+@pytest.fixture
+def remote_root():
+    """A root on fsspec's in-memory filesystem: the same calls s3fs and gcsfs answer (put_file,
+    ls, find, get_file, rm), never a local directory named after the URL."""
+    import fsspec
+
+    root = f"memory://checkpoints-{random.getrandbits(32):08x}"
+    yield root
+    fs = fsspec.filesystem("memory")
+    if fs.exists(root.removeprefix("memory://")):
+        fs.rm(root.removeprefix("memory://"), recursive=True)
+
+
+def test_a_remote_root_round_trips_and_prunes_like_a_local_one(
+    remote_root, tokenizer, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)  # a URL mistaken for a path would show up here
+    training = Training(seed=0)
+    for step in (1, 2, 3):
+        training.step()
+        saved = training.save(remote_root, step, tokenizer, keep_last=2, note=step)
+        assert saved == f"{remote_root}/step-{step:06d}"
+    assert latest_checkpoint(remote_root) == f"{remote_root}/step-000003"
+    assert checkpoint._step_dirs(remote_root) == [
+        f"{remote_root}/step-000002",
+        f"{remote_root}/step-000003",
+    ]
+    assert not any(tmp_path.iterdir()), "nothing may land in a local directory named after a URL"
+
+    restored = Training(seed=7)
+    state = restored.load(latest_checkpoint(remote_root))
+    assert state["note"] == 3
+    assert_same_weights(restored.model, training.model)
+    assert_same(restored.optimizer.state_dict(), training.optimizer.state_dict())
+
+
+def test_a_remote_checkpoint_without_its_marker_is_not_one(remote_root, tokenizer):
+    import fsspec
+
+    training = Training(seed=0)
+    training.save(remote_root, 1, tokenizer)
+    saved = training.save(remote_root, 2, tokenizer)
+    fs = fsspec.filesystem("memory")
+    fs.rm(saved.removeprefix("memory://") + f"/{COMPLETE}")  # an upload cut short
+    assert latest_checkpoint(remote_root) == f"{remote_root}/step-000001"
+    # The next save of that step replaces what was left of it.
+    training.save(remote_root, 2, tokenizer)
+    assert latest_checkpoint(remote_root) == f"{remote_root}/step-000002"

@@ -11,12 +11,14 @@ from typer.testing import CliRunner
 
 from rollout.cli import logs as logs_cli
 from rollout.cli.app import app
+from rollout.executor.ownership import Owner
 from rollout.storage import open_store
 from rollout.storage.base import CheckpointRecord, MetricRecord
 
 runner = CliRunner()
 RUN = "grpo-tiny-20260101-000000-abc123"
 FAILED = "grpo-tiny-20260102-000000-def456"
+OWNER = Owner.this_process()
 TRACEBACK = 'rank-0: Traceback (most recent call last):\n  File "x.py"\nValueError: reward is NaN'
 
 
@@ -29,7 +31,8 @@ def location(tmp_path):
             store.create_run(
                 run_id, name="grpo-tiny", plan_sha256="x", plan_path="/p/plan.lock", run_dir="/p"
             )
-            store.set_status(run_id, "running")
+            # Owned by this (live) process, with a lease that outlasts the test.
+            store.claim_run(run_id, OWNER.to_json(), lease_s=3600)
         store.set_status(FAILED, "failed", error=TRACEBACK)
         now = time.time()
         store.add_metrics(
@@ -155,8 +158,19 @@ def test_logs_tail_filters(location, args, expected):
 
 def test_logs_follow_ends_when_the_run_ends(location, monkeypatch):
     monkeypatch.setattr(logs_cli, "POLL_S", 0.02)
+    # The run writes only once following has begun: a line written before `-n 1` picked the
+    # last one would change which line that is (this made the test fail on a loaded machine).
+    following = threading.Event()
+    follow = logs_cli._follow
+
+    def follow_and_tell(*args):
+        following.set()
+        return follow(*args)
+
+    monkeypatch.setattr(logs_cli, "_follow", follow_and_tell)
 
     def finish_the_run():
+        assert following.wait(60)
         with open_store(location) as store:
             for step in range(3):
                 time.sleep(0.05)

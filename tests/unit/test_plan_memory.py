@@ -11,6 +11,7 @@ from rich.console import Console
 
 from rollout import PlanError
 from rollout.config.model import ModelSection
+from rollout.planner import runnable
 from rollout.planner.builder import build_plan
 from rollout.planner.definition import GpuFacts, HardwareFacts
 from rollout.planner.explain import explain
@@ -108,8 +109,21 @@ def llama_1b(tmp_path):
     return directory
 
 
+@pytest.fixture(autouse=True)
+def split_placements_run(monkeypatch):
+    """These tests size memory for an actor on its own GPU, a placement this version refuses to
+    run (rollout.planner.runnable): lift that one refusal so the estimate is what they see."""
+    from rollout.planner import builder
+
+    def refusals(config, graph=None):
+        return [i for i in runnable.run_refusals(config, graph) if i.path != "cluster.placement"]
+
+    monkeypatch.setattr(builder, "run_refusals", refusals)
+
+
 def actor_on_its_own_gpu(base_config, llama_1b, **generation):
     base_config["model"] = {"path": str(llama_1b), "gradient_checkpointing": True}
+    base_config["data"]["use_chat_template"] = False  # the stand-in model ships no template
     base_config["algorithm"].update(rollout_batch_size=512, micro_batch_size=1)
     base_config["generation"] = {"max_prompt_tokens": 4096, "max_new_tokens": 4096, **generation}
     base_config["cluster"] = {

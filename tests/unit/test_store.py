@@ -308,3 +308,117 @@ def test_find_run_suggests_close_ids(store):
     ) as info:
         find_run(store, "grpo-tiny-20260101-000000-abc12", "here")
     assert info.value.issues[0].hint == "did you mean 'grpo-tiny-20260101-000000-abc123'?"
+
+
+# --- ownership: claims, leases, lost runs
+
+
+def test_a_claim_makes_a_fresh_start_and_a_live_lease_refuses_a_second_owner(store):
+    make_run(store)
+    store.request_cancel("r1")  # left over from an earlier attempt: must not stop this one
+    assert store.claim_run("r1", "A", lease_s=60) is None
+    run = store.get_run("r1")
+    assert run.status == "running" and run.owner == "A" and not run.cancel_requested
+    assert run.lease_expires_at > time.time() + 50
+    assert store.claim_run("r1", "B", lease_s=60) == "A"  # refused, nothing changed
+    assert store.get_run("r1").owner == "A"
+    assert store.claim_run("r1", "A", lease_s=60) is None  # the owner may claim again
+
+
+def test_only_the_owner_renews_and_ends_a_run(store):
+    make_run(store)
+    store.claim_run("r1", "A", lease_s=60)
+    assert not store.renew_lease("r1", "B", lease_s=60)
+    assert store.renew_lease("r1", "A", lease_s=600)
+    assert store.get_run("r1").lease_expires_at > time.time() + 500
+    assert not store.end_run("r1", "B", "finished")
+    assert store.end_run("r1", "A", "stopped")
+    run = store.get_run("r1")
+    assert run.status == "stopped" and run.owner is None and run.lease_expires_at is None
+    assert run.ended_at is not None
+    with pytest.raises(ValueError, match="not a final status"):
+        store.end_run("r1", "A", "running")
+
+
+def test_an_expired_lease_makes_the_run_lost_and_free_to_claim(store):
+    for run_id in ("expired", "live"):
+        make_run(store, run_id)
+    store.claim_run("expired", "A", lease_s=60)
+    store.claim_run("live", "B", lease_s=600)
+    assert store.expire_leases(now=time.time() + 120) == ["expired"]
+    lost = store.get_run("expired")
+    assert lost.status == "lost" and "lease" in lost.error and lost.owner is None
+    assert store.get_run("live").status == "running"
+    assert not store.renew_lease("expired", "A", lease_s=60)  # A learns it lost the run
+    assert store.claim_run("expired", "C", lease_s=60) is None  # a resume takes it over
+    assert store.get_run("expired").error is None
+
+
+def test_a_running_run_without_a_lease_is_lost(store):
+    """Rows from before leases existed (or set running by hand) are never running forever."""
+    make_run(store)
+    store.set_status("r1", "running")
+    assert store.expire_leases() == ["r1"]
+
+
+def test_mark_lost_needs_the_dead_owner(store):
+    make_run(store)
+    store.claim_run("r1", "A", lease_s=60)
+    assert not store.mark_lost("r1", "B", error="x")
+    assert store.mark_lost("r1", "A", error="owner died")
+    assert store.get_run("r1").status == "lost"
+
+
+def test_two_processes_claiming_at_once_give_one_owner(tmp_path):
+    path = tmp_path / "rollout.db"
+    with SqliteRunStore(path) as store:
+        make_run(store)
+    winners = []
+
+    def claim(name):
+        with SqliteRunStore(path) as mine:
+            if mine.claim_run("r1", name, lease_s=60) is None:
+                winners.append(name)
+
+    threads = [threading.Thread(target=claim, args=(f"owner-{i}",)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(winners) == 1
+
+
+def test_a_redone_step_keeps_one_row_per_metric(store):
+    make_run(store)
+    store.add_metrics([MetricRecord("r1", 3, "loss", 1.0, 1.0)])
+    store.add_metrics([MetricRecord("r1", 3, "loss", 0.5, 2.0)])  # the step, redone on resume
+    assert [(m.step, m.value) for m in store.metrics("r1")] == [(3, 0.5)]
+
+
+def test_migrating_a_version_1_store_keeps_its_rows(tmp_path):
+    path = tmp_path / "old.db"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE schema_version (version INTEGER PRIMARY KEY, applied_at REAL)")
+    for statement in MIGRATIONS[0][1].split(";"):
+        if statement.strip():
+            conn.execute(statement)
+    conn.execute("INSERT INTO schema_version VALUES (1, 0)")
+    conn.execute(
+        "INSERT INTO runs (run_id, name, status, plan_sha256, plan_path, run_dir, created_at) "
+        "VALUES ('old', 't', 'finished', 'x', 'p', 'd', 1)"
+    )
+    rows = [("old", 1, "loss", 2.0, 1.0), ("old", 1, "loss", 1.0, 2.0), ("old", 2, "loss", 0.5, 3)]
+    conn.executemany("INSERT INTO metrics VALUES (?, ?, ?, ?, ?)", rows)
+    conn.execute(
+        "INSERT INTO logs (run_id, time, level, rank, role, message) "
+        "VALUES ('old', 1, 'info', 0, 'learner', 'hello')"
+    )
+    conn.commit()
+    conn.close()
+    with SqliteRunStore(path) as store:
+        assert store.get_run("old").status == "finished"
+        # the duplicated step kept its last row; logs still belong to their run
+        assert [(m.step, m.value) for m in store.metrics("old")] == [(1, 1.0), (2, 0.5)]
+        assert [line.message for line in store.logs("old")] == ["hello"]
+        assert store._conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
+        assert store._conn.execute("PRAGMA foreign_key_check").fetchall() == []

@@ -1,0 +1,154 @@
+"""What this version of rollout can execute: the one list of refusals that `plan` and `run` share.
+
+The plan guarantee: a plan that succeeds does not fail at run time on config, schema, plugin
+discovery or topology. So everything the executor or a worker cannot do yet is refused here, and
+this function is called twice: by the builder while planning, and by the executor's preflight on
+the plan.lock it is handed (one written by another rollout, or edited with a recomputed hash).
+Each refusal names the key, why, and what works instead; a later version lifts one by deleting
+its check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from rollout.config.root import RunConfig
+from rollout.errors import Issue
+from rollout.planner.definition import Graph
+from rollout.planner.fingerprint import is_url
+from rollout.planner.locations import filesystem_package
+
+Check = Callable[[RunConfig, Graph | None], Iterator[Issue]]
+CHECKS: list[Check] = []
+
+
+def check(fn: Check) -> Check:
+    CHECKS.append(fn)
+    return fn
+
+
+def run_refusals(config: RunConfig, graph: Graph | None = None) -> list[Issue]:
+    """Every reason `rollout run` would refuse this config (and graph, when there is one)."""
+    return [issue for fn in CHECKS for issue in fn(config, graph)]
+
+
+@check
+def _store_backend(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
+    if config.storage.backend == "postgres":
+        yield Issue(
+            "storage.backend",
+            "the postgres run store is not available in this version of rollout: runs record "
+            "into SQLite only",
+            value="postgres",
+            hint='use backend = "sqlite" (the default; set storage.sqlite_path to choose the '
+            "file) and remove storage.postgres_dsn",
+        )
+
+
+@check
+def _one_node(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
+    if config.cluster.nnodes > 1:
+        yield Issue(
+            "cluster.nnodes",
+            "this version of rollout runs on one machine: several nodes plan but cannot run yet",
+            value=config.cluster.nnodes,
+            hint="set nnodes = 1 and use nproc_per_node for data parallelism on this machine",
+        )
+
+
+@check
+def _colocated(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
+    split = graph is not None and any(e.transport != "in_process" for e in graph.edges)
+    if split:
+        apart = sorted(
+            {f"{e.source}->{e.target}" for e in graph.edges if e.transport != "in_process"}
+        )
+        yield Issue(
+            "cluster.placement",
+            "this version of rollout runs every role in every process (colocated, data "
+            f"parallel); this placement puts roles on separate processes ({', '.join(apart)})",
+            hint="remove [cluster.placement] to colocate every role",
+        )
+
+
+@check
+def _local_model_files(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
+    model = config.model
+    remote = [
+        (key, value)
+        for key, value in (("model.path", model.path), ("model.tokenizer", model.tokenizer))
+        if value is not None and is_url(value)
+    ]
+    if (
+        model.chat_template
+        and model.chat_template.endswith(".jinja")
+        and is_url(model.chat_template)
+    ):
+        remote.append(("model.chat_template", model.chat_template))
+    remote += [
+        (f"rewards[{i}].model", spec.model)
+        for i, spec in enumerate(config.rewards)
+        if spec.model is not None and "://" in spec.model and not spec.model.startswith("file://")
+    ]
+    for key, value in remote:
+        yield Issue(
+            key,
+            "workers load models, tokenizers and templates from local files only in this version "
+            "of rollout",
+            value=value,
+            hint="copy it to a local directory and point the key at that",
+        )
+
+
+@check
+def _artifact_store(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
+    location = config.storage.artifacts
+    if location is None or not is_url(location):
+        return
+    issue = artifact_location_issue(location)
+    if issue is not None:
+        yield issue
+
+
+# fsspec protocols that keep their files in one process's memory or are read-only: a run's
+# workers (separate processes) would write checkpoints nobody else can read.
+_NOT_SHARED = {
+    "memory": "it lives in one process's memory",
+    "http": "it is read-only",
+    "https": "it is read-only",
+    "github": "it is read-only",
+    "zip": "it is read-only",
+    "tar": "it is read-only",
+}
+
+
+def artifact_location_issue(location: str) -> Issue | None:
+    """Why checkpoints cannot be written to fsspec URL `location` from here, or None."""
+    protocol = location.split("://", 1)[0].lower()
+    key = "storage.artifacts"
+    if protocol in _NOT_SHARED:
+        return Issue(
+            key,
+            f"checkpoints cannot go to {protocol}:// ({_NOT_SHARED[protocol]})",
+            value=location,
+            hint="use a local directory, s3://bucket/prefix or gs://bucket/prefix",
+        )
+    from fsspec.registry import known_implementations
+
+    if protocol not in known_implementations:
+        return Issue(
+            key,
+            f"no fsspec filesystem is known for {protocol}://",
+            value=location,
+            hint="use a local directory, s3://bucket/prefix (pip install s3fs) or "
+            "gs://bucket/prefix (pip install gcsfs)",
+        )
+    package = filesystem_package(location)
+    if package is not None:
+        return Issue(
+            key,
+            f"writing to {protocol}:// needs the {package} package, which is not installed here",
+            value=location,
+            hint=f"pip install {package}",
+        )
+    return None

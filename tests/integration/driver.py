@@ -1,0 +1,44 @@
+"""Driving the CLI as a user would, for the integration tests: in a subprocess, in a working
+directory with a cache of its own, and looking for what it left running."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from rollout.storage import open_store
+
+
+def environment(workdir: Path) -> dict[str, str]:
+    return {**os.environ, "ROLLOUT_CACHE": str(workdir / "cache"), "COLUMNS": "200"}
+
+
+def rollout(workdir: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rollout", *args],
+        cwd=workdir,
+        env=environment(workdir),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def only_run(workdir: Path):
+    store = open_store(f"sqlite:{workdir / 'runs' / 'rollout.db'}", create=False)
+    (record,) = store.list_runs()
+    return store, record
+
+
+def processes_mentioning(marker: str) -> list[int]:
+    """Pids of live processes (not zombies) whose command line mentions `marker`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if marker in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode():
+                    found.append(int(entry.name))
+    return found
