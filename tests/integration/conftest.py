@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -46,3 +50,30 @@ def workdir(tmp_path: Path) -> Path:
     (tmp_path / "examples" / "slow.py").write_text(SLOW_REWARD)
     (tmp_path / "examples" / "marked.py").write_text(MARKED_REWARD)
     return tmp_path
+
+
+@pytest.fixture(autouse=True)
+def no_run_left_behind() -> Iterator[None]:
+    """A test that fails while a `rollout` it started still runs must not leave it running (a run
+    stuck in plugin code would spin for hours): after each test, SIGKILL this process's children
+    that run `python -m rollout`; their own reaper then ends the rest of their runs."""
+    yield
+    for pid in _rollout_children():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+
+
+def _rollout_children() -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError):
+            stat = (entry / "stat").read_text()
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+            if parent == os.getpid() and b"rollout" in command[1:3]:
+                found.append(int(entry.name))
+    return found
