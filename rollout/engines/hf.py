@@ -52,7 +52,13 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from rollout.engines.base import Completion, EngineStats, FinishReason, SamplingParams
+from rollout.engines.base import (
+    Completion,
+    EngineStats,
+    FinishReason,
+    SamplingParams,
+    cache_keyword,
+)
 from rollout.engines.sampling import sample_rows, sample_tokens
 
 # A character is at most 4 UTF-8 bytes and every token carries at least one byte, so a stop string
@@ -114,6 +120,7 @@ class HfEngine:
         if not eos_token_ids:
             raise ValueError("eos_token_ids is empty: the engine needs a token that ends a turn")
         self._model = model
+        self._cache_keyword = cache_keyword(model)
         self._eos = frozenset(eos_token_ids)
         self._pad = pad_token_id
         self._tokenizer = tokenizer
@@ -282,7 +289,7 @@ class HfEngine:
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=cache,
+            **{self._cache_keyword: cache},
             use_cache=True,
             logits_to_keep=1,  # the prefill needs only the last position's [B, V], not [B, S, V]
         )

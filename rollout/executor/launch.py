@@ -201,6 +201,8 @@ def _worker_environment(plan: Plan, token: str) -> dict[str, str]:
         **os.environ,
         RUN_TOKEN_ENV: token,  # every process of the run carries it (processes.kill_marked)
         "PYTHONUNBUFFERED": "1",
+        # Same plan, same run: a plugin iterating a set of strings sees one order every time.
+        "PYTHONHASHSEED": "0",
         "OMP_NUM_THREADS": str(plan.derived.threads_per_process),
         # Everything a worker loads was located at plan time: it never reaches for a hub.
         "HF_HUB_OFFLINE": "1",

@@ -150,6 +150,9 @@ def _setup_torch(context: WorkerContext) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(context.plan.derived.threads_per_process)
+    from rollout.runtime.determinism import make_deterministic  # same plan, same run
+
+    make_deterministic(context.plan.seeds.per_rank[context.rank])
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()

@@ -262,8 +262,12 @@ def test_two_rank_run_resumed_mid_way_ends_as_one_that_never_stopped(workdir):
     final = checkpoints / "step-000004" / "model" / "model.safetensors"
     uninterrupted = load_file(final)
 
-    # As if the run had stopped after step 2: its later checkpoint never existed.
+    # As if the run had stopped after step 2: its later checkpoint never existed, and the store
+    # says stopped (a finished run is not started again).
     shutil.rmtree(checkpoints / "step-000004")
+    with open_store(f"sqlite:{workdir / 'runs' / 'rollout.db'}", create=False) as store:
+        (record,) = store.list_runs()
+        store.set_status(record.run_id, "stopped")
     resumed = rollout(workdir, "run", "--plan", str(plan))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     weights = load_file(final)

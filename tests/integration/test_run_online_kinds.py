@@ -110,7 +110,11 @@ def test_ppo_with_a_value_head_resumes_head_and_all(workdir):
     head = run_dir / "checkpoints" / "step-000002" / "value_head" / "weights.safetensors"
     assert head.is_file()
 
-    # The same plan again: it resumes from its last checkpoint (step 2 of 2), head included.
+    # As if it had stopped at its last checkpoint (a finished run is not started again), the
+    # same plan resumes from it (step 2 of 2), head included.
+    store, record = only_run(workdir)
+    store.set_status(record.run_id, "stopped")
+    store.close()
     second = rollout(workdir, "run", "--plan", str(run_dir / "plan.lock"))
     assert second.returncode == 0, second.stdout + second.stderr
     _, record = only_run(workdir)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rollout.engines import hf
-from rollout.engines.base import Completion, SamplingParams
+from rollout.engines.base import Completion, SamplingParams, cache_keyword
 from rollout.engines.hf import HfEngine, cut_at_stop, eval_mode
 from rollout.engines.sampling import (
     sample_proportional,
@@ -445,7 +445,7 @@ def test_written_out_prefill_matches_the_models_forward(monkeypatch, family_mode
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=theirs,
+            **{cache_keyword(model): theirs},
             use_cache=True,
         ).logits[:, -1]
     assert torch.allclose(logits, expected, atol=1e-4)

@@ -190,10 +190,14 @@ def test_kv_bytes_per_token_matches_what_the_model_caches(tiny_llama):
     import torch
     from transformers import DynamicCache
 
+    from rollout.engines.base import cache_keyword
+
     facts = inspect_model(ModelSection(builtin="tiny-llama"), base_dir=Path.cwd())
     cache = DynamicCache(config=tiny_llama.model.config)
     with torch.no_grad():
-        tiny_llama.model(input_ids=torch.ones(3, 5, dtype=torch.long), past_key_values=cache)
+        tiny_llama.model(
+            input_ids=torch.ones(3, 5, dtype=torch.long), **{cache_keyword(tiny_llama.model): cache}
+        )
     cached = sum(
         layer.keys.numel() * layer.keys.element_size()
         + layer.values.numel() * layer.values.element_size()
