@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,15 @@ BASE_CONFIG: dict[str, Any] = {
 }
 
 TRAIN_RECORDS = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(16)]
+
+
+@pytest.fixture(scope="session")
+def rollout_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """ROLLOUT_CACHE pointed at a session directory, so builtin models never land in ~/.cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        path = tmp_path_factory.mktemp("rollout-cache")
+        patch.setenv("ROLLOUT_CACHE", str(path))
+        yield path
 
 
 @pytest.fixture

@@ -50,9 +50,11 @@ def length(prompts, completions, **_):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def reference(tmp_path_factory: pytest.TempPathFactory, rollout_cache: Path) -> Path:
     """A working directory with one plan, run once to the end; its `runs` moved to `reference`."""
     workdir = tmp_path_factory.mktemp("determinism")
+    # The session's cache: SmolLM2's GGUF is dequantized once (about 17 s) for every test.
+    (workdir / "cache").symlink_to(rollout_cache, target_is_directory=True)
     shutil.copytree(EXAMPLES, workdir / "examples")
     (workdir / "examples" / "varied.py").write_text(VARIED_REWARD)
     planned = rollout(

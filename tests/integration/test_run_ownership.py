@@ -197,7 +197,6 @@ def a_checkpoint_being_written(plan_path: Path) -> bool:
     ("signum", "moment"),
     [
         (signal.SIGKILL, "checkpoint"),
-        (signal.SIGKILL, "generation"),
         (signal.SIGTERM, "generation"),
         (signal.SIGINT, "checkpoint"),
         (signal.SIGHUP, "generation"),

