@@ -77,6 +77,8 @@ SETTINGS = [
     "--set",
     "data.eval=null",
     "--set",
+    "logging.level='debug'",  # each step logs the prompts it took
+    "--set",
     "rewards=[{ fn = './forking.py:forking' }]",
     "--set",
     "algorithm.lr=1e-3",
@@ -110,11 +112,13 @@ def uninterrupted(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def plan(workdir: Path, name: str, *settings: str) -> Path:
+    """`rollout plan` of grpo-tiny with `settings` (--set pairs), in this process: a CLI start
+    per plan would cost seconds, and planning has its own tests."""
+    from rollout.planner.builder import build_plan
+
+    overrides = [*settings[1::2], f"run.output_dir={workdir / 'runs'}"]
     path = workdir / f"{name}.lock"
-    planned = rollout(
-        workdir, "plan", "--config", "examples/grpo-tiny.toml", "-o", str(path), *settings
-    )
-    assert planned.returncode == 0, planned.stdout + planned.stderr
+    build_plan(workdir / "examples" / "grpo-tiny.toml", overrides=overrides).write(str(path))
     return path
 
 
@@ -136,13 +140,13 @@ def run_dir_of(plan_path: Path) -> Path:
 
 
 def status_of(workdir: Path, plan_path: Path) -> str:
-    """The status as `rollout runs show` reports it (which reconciles dead owners first)."""
-    run_id = run_dir_of(plan_path).name
-    shown = rollout(workdir, "runs", "show", run_id, "--format", "json")
-    assert shown.returncode == 0, shown.stderr
-    import json
+    """The status as `rollout runs show` reports it: after reconciling dead owners."""
+    from rollout.executor.ownership import reconcile
+    from rollout.storage import open_store
 
-    return json.loads(shown.stdout)["status"]
+    with open_store(f"sqlite:{workdir / 'runs' / 'rollout.db'}", create=False) as store:
+        reconcile(store)
+        return store.get_run(run_dir_of(plan_path).name).status
 
 
 def final_weights(plan_path: Path) -> dict:
@@ -220,10 +224,15 @@ def test_a_host_killed_at_any_moment_leaves_nothing_and_resumes_exactly(
         wait_until(lambda: a_step_done(interrupted), timeout=120, what="the first step")
         time.sleep(random.uniform(0.0, 0.4))  # somewhere in the next step's generation
     host.send_signal(signum)
-    host.communicate(timeout=90)
+    _, stderr = host.communicate(timeout=90)
     nothing_left(workdir)
     expected = "lost" if signum == signal.SIGKILL else "stopped"
     assert status_of(workdir, interrupted) == expected
+    if signum != signal.SIGKILL:
+        assert host.returncode == 130, stderr
+        assert "Traceback" not in stderr
+    if signum in (signal.SIGINT, signal.SIGTERM):  # after SIGHUP the terminal is gone: silence
+        assert "resume with `rollout run --plan" in stderr
 
     resumed = rollout(workdir, "run", "--plan", str(interrupted))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
@@ -234,6 +243,25 @@ def test_a_host_killed_at_any_moment_leaves_nothing_and_resumes_exactly(
     assert reference.keys() == result.keys()
     different = [name for name in reference if not (reference[name] == result[name]).all()]
     assert not different, f"resumed weights differ from an uninterrupted run's: {different}"
+    # Every step's prompts, as last logged (a step redone after the kill logs twice): each of
+    # the 6 steps took 2 prompts, none twice, none skipped.
+    used = prompts_by_step(workdir, interrupted)
+    assert sorted(used) == list(range(1, 7))
+    every = [prompt for step in sorted(used) for prompt in used[step]]
+    assert len(every) == len(set(every)) == 12
+
+
+def prompts_by_step(workdir: Path, plan_path: Path) -> dict[int, list[str]]:
+    from rollout.storage import open_store
+
+    used: dict[int, list[str]] = {}
+    with open_store(f"sqlite:{workdir / 'runs' / 'rollout.db'}", create=False) as store:
+        lines = store.logs(run_dir_of(plan_path).name, level="debug", limit=100_000)
+    for line in lines:
+        if line.message.startswith("step ") and " prompts " in line.message:
+            step, _, prompts = line.message.removeprefix("step ").partition(" prompts ")
+            used[int(step)] = prompts.split(",")
+    return used
 
 
 def test_a_second_start_of_a_running_plan_is_refused_with_its_owner(plugins):
