@@ -53,11 +53,11 @@ class ClusterSection(TypedDict):
     nnodes: NotRequired[int]
     """Number of machines.
 
-    Range: ≥ 1. Default: 1."""
+    Range: ≥ 1, ≤ 4096. Default: 1."""
     nproc_per_node: NotRequired[int]
     """Worker processes per machine (one per GPU on GPU machines).
 
-    Range: ≥ 1. Default: 1."""
+    Range: ≥ 1, ≤ 1024. Default: 1."""
     device: NotRequired[Literal["auto", "cpu", "cuda"]]
     """Device kind. 'auto' is cuda when the planning machine has GPUs, else cpu.
 

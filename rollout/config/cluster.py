@@ -13,10 +13,11 @@ ROLES: tuple[Role, ...] = ("actor", "learner", "reference", "critic", "reward")
 
 
 class ClusterSection(ConfigModel):
-    nnodes: int = Field(default=1, ge=1, description="Number of machines.")
+    nnodes: int = Field(default=1, ge=1, le=4096, description="Number of machines.")
     nproc_per_node: int = Field(
         default=1,
         ge=1,
+        le=1024,
         description="Worker processes per machine (one per GPU on GPU machines).",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(

@@ -23,7 +23,7 @@ from rollout.config import load_config
 from rollout.config.algorithm import ONLINE_KINDS, PAIRED_PREFERENCE_KINDS
 from rollout.config.root import RunConfig
 from rollout.config.rules import needed_fields
-from rollout.errors import Issue, PlanError, RolloutError
+from rollout.errors import ConfigError, Issue, PlanError, RolloutError
 from rollout.planner.definition import (
     DataFacts,
     Derived,
@@ -74,7 +74,12 @@ def build_plan(
     if isinstance(config, RunConfig):
         run_config = config
     else:
-        config_path = Path(config).resolve()
+        try:
+            config_path = Path(config).resolve()
+        except (ValueError, OSError) as error:  # a NUL in the path, a loop of symbolic links
+            raise ConfigError(
+                Issue(repr(str(config)), f"is not a usable config file path: {error}")
+            ) from None
         run_config = load_config(config_path, overrides)
     base = (
         Path(base_dir).resolve()

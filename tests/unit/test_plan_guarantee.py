@@ -311,3 +311,10 @@ def test_re_running_a_finished_plan_starts_nothing(config_file, base_config, tmp
     record = run_plan(lock, progress=Progress(on_already_finished=lambda p, r: told.append(r)))
     assert record.status == "finished" and told == [record]
     assert not (Path(plan.derived.run_dir) / "torchrun.log").exists()
+
+
+def test_a_config_path_with_a_nul_is_a_user_error_from_python_too():
+    import rollout
+
+    with pytest.raises(ConfigError, match="embedded null byte"):
+        rollout.plan("a\0b.toml")
