@@ -68,7 +68,7 @@ def describe(
         weight=weight,
         options=MappingProxyType(dict(options)),
         timeout_s=timeout_s,
-        accepts=_accepted_keywords(fn),
+        accepts=accepted_keywords(fn),
     )
 
 
@@ -205,7 +205,9 @@ def _not_a_score(value: Any) -> str | None:
     return None
 
 
-def _accepted_keywords(fn: Callable[..., Any]) -> frozenset[str] | None:
+def accepted_keywords(fn: Callable[..., Any]) -> frozenset[str] | None:
+    """The dataset fields a reward is passed: the keyword parameters it names after the first
+    two, or None when it takes **kwargs (then every field)."""
     try:
         parameters = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):

@@ -204,6 +204,7 @@ def _reward_fields(config: RunConfig, data: list[DataFacts]) -> dict[str, set[st
 def _resolve_rewards(
     config: RunConfig, base: Path, fields: dict[str, set[str]], issues: list[Issue]
 ) -> list[PluginIdentity]:
+    from rollout.harness.reward_runner import accepted_keywords
     from rollout.harness.rewards import BUILTIN_REWARDS
     from rollout.plugins.probe import probe_imports
     from rollout.plugins.resolve import check_reward_signature, import_probe, resolve_plugin
@@ -217,6 +218,9 @@ def _resolve_rewards(
     failed = probe_imports([p for p in probes if p is not None])
     issues.extend(failed.values())
     identities = []
+    # The fields some reward reads; None once one takes **kwargs (every field). A trained
+    # reward model scores (prompt, completion) alone.
+    readers: frozenset[str] | None = frozenset()
     for i, spec in enumerate(config.rewards):
         if spec.model is not None:
             found = _collect(
@@ -228,6 +232,7 @@ def _resolve_rewards(
             identities.extend([found] if found is not None else [])
             continue
         if f"rewards[{i}].fn" in failed:
+            readers = None  # cannot know what it reads
             continue
         used_by = f"rewards[{i}].fn"
         resolved = _collect(
@@ -239,6 +244,8 @@ def _resolve_rewards(
         if resolved is None:
             continue
         identities.append(resolved.identity)
+        accepted = accepted_keywords(resolved.fn)
+        readers = None if readers is None or accepted is None else readers | accepted
         issues.extend(
             check_reward_signature(
                 resolved.fn,
@@ -249,7 +256,27 @@ def _resolve_rewards(
                 ref=spec.fn,
             )
         )
+    if readers is not None and config.algorithm.kind in ONLINE_KINDS:
+        issues.extend(_unread_roles(config, readers))
     return identities
+
+
+def _unread_roles(config: RunConfig, readers: frozenset[str]) -> list[Issue]:
+    """Mapped data.fields roles (besides the prompt) that no reward takes: accepted, then
+    ignored, unless refused here."""
+    mapping = config.data.fields
+    written = sorted(role for role in mapping.model_fields_set if role != "prompt")
+    return [
+        Issue(
+            f"data.fields.{role}",
+            f"no reward reads the {role!r} role: none of [[rewards]] takes a {role!r} "
+            "parameter (or **kwargs), so the mapping would be ignored",
+            value=getattr(mapping, role),
+            hint=f"remove data.fields.{role}, or give a reward function a {role!r} parameter",
+        )
+        for role in written
+        if getattr(mapping, role) is not None and role not in readers
+    ]
 
 
 # --- device and shapes -------------------------------------------------------------------------

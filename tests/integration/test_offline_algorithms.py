@@ -151,6 +151,7 @@ def test_a_trained_reward_model_rewards_a_grpo_run(workdir):
         workdir,
         "grpo-tiny.toml",
         reward,
+        "data.fields.answer=null",  # a reward model reads no answer
         "algorithm.max_steps=2",
         "data.eval=null",
         "checkpoint.interval=100",

@@ -189,7 +189,22 @@ def test_a_reward_taking_only_prompts_and_completions_plans(config_file, base_co
         "def score(prompts, completions):\n    return [0.0] * len(completions)\n"
     )
     base_config["rewards"] = [{"fn": "./rw.py:score"}]
+    base_config["data"]["fields"] = {"prompt": "prompt"}  # it reads no answer
     assert plan_of(config_file, base_config).plugins[0].signature == "(prompts, completions)"
+
+
+def test_a_mapped_role_no_reward_reads_is_refused(config_file, base_config, tmp_path):
+    """data.fields.answer with only rewards that take no `answer`: accepted, then ignored."""
+    (tmp_path / "rw.py").write_text(
+        "def score(prompts, completions):\n    return [0.0] * len(completions)\n"
+    )
+    base_config["rewards"] = [{"fn": "./rw.py:score"}]
+    issue = issues_of(config_file, base_config)["data.fields.answer"]
+    assert "no reward reads the 'answer' role" in issue.message
+    assert issue.hint == "remove data.fields.answer, or give a reward function a 'answer' parameter"
+    # A reward that takes it reads it.
+    base_config["rewards"].append({"fn": "numeric_match"})
+    plan_of(config_file, base_config)
 
 
 def test_a_reward_field_missing_from_the_eval_data_is_refused(config_file, base_config, tmp_path):
@@ -198,6 +213,7 @@ def test_a_reward_field_missing_from_the_eval_data_is_refused(config_file, base_
     )
     (tmp_path / "eval.jsonl").write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n')
     base_config["data"]["eval"] = {"path": "eval.jsonl"}
+    base_config["data"]["fields"] = {"prompt": "prompt"}
     base_config["rewards"] = [{"fn": "./rw.py:score"}]
     path = config_file(base_config)
     records = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
