@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# Nothing is downloaded: set before anything imports huggingface_hub.
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"

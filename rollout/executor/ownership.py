@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rollout.errors import Issue, RolloutError
-from rollout.executor.processes import new_token
+from rollout.executor.processes import new_token, proc_stat
 from rollout.storage.base import RunStore
 
 LEASE_ENV = "ROLLOUT_LEASE_S"
@@ -94,11 +94,8 @@ def _boot_id() -> str:
 
 def _start_ticks(pid: int) -> int:
     """Field 22 of /proc/PID/stat; -1 if there is no such process (or no /proc)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return -1
-    return int(stat.rsplit(")", 1)[-1].split()[19])
+    fields = proc_stat(pid)
+    return -1 if fields is None else int(fields[19])
 
 
 # --- taking and keeping ownership --------------------------------------------------------------

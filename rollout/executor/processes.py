@@ -85,13 +85,19 @@ def kill_marked(token: str, *, timeout_s: float = 10.0) -> int:
     return len(killed)
 
 
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first), or None when there is
+    no such process. The name is in parentheses and may hold spaces: split after its ')'."""
+    try:
+        return (_PROC / str(pid) / "stat").read_text().rsplit(")", 1)[-1].split()
+    except OSError:
+        return None
+
+
 def _is_zombie(pid: int) -> bool:
     """A killed child its parent has not reaped yet still has /proc/PID (and its environ)."""
-    try:
-        stat = (_PROC / str(pid) / "stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X")
+    fields = proc_stat(pid)
+    return fields is None or fields[0] in ("Z", "X")
 
 
 class Reaper:

@@ -88,7 +88,7 @@ def _local_model_files(config: RunConfig, graph: Graph | None) -> Iterator[Issue
     remote += [
         (f"rewards[{i}].model", spec.model)
         for i, spec in enumerate(config.rewards)
-        if spec.model is not None and "://" in spec.model and not spec.model.startswith("file://")
+        if spec.model is not None and is_url(spec.model)
     ]
     for key, value in remote:
         yield Issue(

@@ -28,35 +28,9 @@ from safetensors.torch import load_file
 from rollout.planner.definition import Plan
 from rollout.storage import open_store
 from rollout.testing.tiny_build import build_tiny
-from tests.conftest import EXAMPLES
+from tests.integration.driver import environment, rollout
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def workdir(tmp_path: Path) -> Path:
-    shutil.copytree(EXAMPLES, tmp_path / "examples")
-    return tmp_path
-
-
-def environment(workdir: Path) -> dict[str, str]:
-    return {
-        **os.environ,
-        "ROLLOUT_CACHE": str(workdir / "cache"),
-        "COLUMNS": "200",
-        "OMP_NUM_THREADS": "2",
-    }
-
-
-def rollout(workdir: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rollout", *args],
-        cwd=workdir,
-        env=environment(workdir),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def run_example(workdir: Path, name: str, *overrides: str):

@@ -16,7 +16,6 @@ import ssl
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -36,18 +35,7 @@ WAIT_S = 60
 
 
 @pytest.fixture(scope="module")
-def model_cache(tmp_path_factory) -> Iterator[Path]:
-    """ROLLOUT_CACHE in a temporary directory, where the builtin model is built (and inherited
-    by the CLI subprocess)."""
-    with pytest.MonkeyPatch.context() as patch:
-        path = tmp_path_factory.mktemp("rollout-cache")
-        patch.setenv("ROLLOUT_CACHE", str(path))
-        patch.setenv("HF_HUB_OFFLINE", "1")
-        yield path
-
-
-@pytest.fixture(scope="module")
-def tiny(model_cache):
+def tiny(rollout_cache):
     """The model as the server loads it, for expected token ids."""
     from rollout.config.model import ModelSection
     from rollout.planner.inspect_model import inspect_model
@@ -68,7 +56,7 @@ def start(host: str = "127.0.0.1", api_key: str | None = None, tls: ssl.SSLConte
 
 
 @pytest.fixture(scope="module")
-def server(model_cache):
+def server(rollout_cache):
     running, thread = start()
     yield running
     running.stop()
@@ -405,7 +393,7 @@ def test_bad_chat_messages_and_routes(server):
     assert raw(server, "GET", "/v1/completions")[0] == 405
 
 
-def test_the_api_key_is_required_on_every_route_off_loopback(model_cache):
+def test_the_api_key_is_required_on_every_route_off_loopback(rollout_cache):
     server, thread = start(host="0.0.0.0", api_key="s3cret")
     try:
         url = server.url.replace("0.0.0.0", "127.0.0.1")
@@ -483,7 +471,7 @@ def trusting(cert: Path, url: str) -> openai.OpenAI:
     )
 
 
-def test_tls_serves_https_to_clients_that_trust_the_certificate(model_cache, tmp_path):
+def test_tls_serves_https_to_clients_that_trust_the_certificate(rollout_cache, tmp_path):
     cert, key = self_signed_certificate(tmp_path)
     server, thread = start(tls=tls_context(cert, key))
     try:
@@ -549,7 +537,7 @@ def test_the_cli_refuses_a_public_address_without_a_key_and_a_literal_key():
     assert result.exit_code == 2 and "exactly one" in result.output
 
 
-def test_sigterm_finishes_the_request_in_flight(model_cache):
+def test_sigterm_finishes_the_request_in_flight(rollout_cache):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     process = subprocess.Popen(
         [sys.executable, "-m", "rollout", "serve", "--model", "builtin:tiny-llama", "--port", "0"],

@@ -40,16 +40,7 @@ ROUTES = {"/v1/models": "GET", "/v1/completions": "POST", "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
-def model_cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        path = tmp_path_factory.mktemp("rollout-cache")
-        patch.setenv("ROLLOUT_CACHE", str(path))
-        patch.setenv("HF_HUB_OFFLINE", "1")
-        yield path
-
-
-@pytest.fixture(scope="module")
-def server(model_cache):
+def server(rollout_cache):
     import torch
 
     # `rollout serve` sets OMP_WAIT_POLICY=PASSIVE before torch loads, which a test cannot: one
@@ -436,7 +427,7 @@ def test_a_huge_prompt_is_refused_before_it_is_tokenized(server, no_traceback, c
 # --- the real command -----------------------------------------------------------------------------
 
 
-def test_the_cli_server_answers_every_class_without_a_traceback(model_cache, tmp_path):
+def test_the_cli_server_answers_every_class_without_a_traceback(rollout_cache, tmp_path):
     """`rollout serve` in its own process, its stderr kept: the protocol table, the numeric
     classes and a body shorter than its Content-Length (408 after the default body timeout,
     running meanwhile), then SIGTERM. Its stderr holds no traceback."""

@@ -1,17 +1,14 @@
 """Model fixtures: the tiny model built once per session into a temporary cache, and SmolLM2.
 
-Nothing is downloaded: HF_HUB_OFFLINE is set before anything imports huggingface_hub.
+Nothing is downloaded: tests/conftest.py sets HF_HUB_OFFLINE before anything imports huggingface_hub.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import pytest
-
-os.environ["HF_HUB_OFFLINE"] = "1"
 
 
 def _load(section, *, dtype: str = "float32"):
