@@ -1,4 +1,5 @@
-"""The `rollout` command. Each command group lives in its own module and registers itself here."""
+"""The `rollout` command: each command (or group) is defined in its own module and registered here;
+the command modules never import this one."""
 
 from __future__ import annotations
 
@@ -7,14 +8,30 @@ import sys
 import tempfile
 import traceback
 
+import click
 import typer
+from typer.core import TyperGroup
 
 from rollout import __version__
+from rollout.cli import generate, logs, plan, run, runs, schema, serve, validate
 from rollout.cli.options import render_flags_as_flags
 from rollout.redact import redact_text
 
 render_flags_as_flags()
+
+# `rollout --help` lists commands in the order a user meets them: check, freeze, run, watch; then
+# inference; then tooling (typer would list single commands before groups).
+COMMAND_ORDER = ("validate", "plan", "run", "runs", "logs", "generate", "serve", "schema")
+
+
+class _InPipelineOrder(TyperGroup):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        known = [name for name in COMMAND_ORDER if name in self.commands]
+        return known + sorted(set(self.commands) - set(known))
+
+
 app = typer.Typer(
+    cls=_InPipelineOrder,
     name="rollout",
     help="Train LLMs with reinforcement learning from one declarative config.",
     no_args_is_help=True,
@@ -39,12 +56,14 @@ def _root(
     """rollout: validate a config, plan it into plan.lock, run the plan."""
 
 
-def _register() -> None:
-    # Imported for their side effect of adding commands to `app`.
-    from rollout.cli import generate, logs, plan, run, runs, schema, serve, validate  # noqa: F401
-
-
-_register()
+app.command()(validate.validate)
+app.add_typer(plan.plan_app, name="plan")
+app.command()(run.run)
+app.add_typer(runs.runs)
+app.add_typer(logs.logs)
+app.command()(generate.generate)
+app.command()(serve.serve)
+app.command()(schema.schema)
 
 
 DEBUG_ENV = "ROLLOUT_DEBUG"

@@ -9,7 +9,6 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from rollout.cli.app import app
 from rollout.cli.options import SetOption, local_path
 from rollout.cli.render import stderr, stdout, user_errors
 
@@ -27,7 +26,6 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
-@app.command()
 def generate(
     prompts: Annotated[
         str,

@@ -10,14 +10,12 @@ from typing import Annotated, Any
 import typer
 from rich.text import Text
 
-from rollout.cli.app import app
 from rollout.cli.render import stdout, user_errors
 from rollout.cli.runs import RunIdArgument, StoreOption, reading, reconcile_quietly
 from rollout.storage import check_run_id, find_run
 from rollout.storage.base import FINAL_STATUSES, LOG_LEVELS, LogRecord, RunStore
 
 logs = typer.Typer(name="logs", help="Read a run's logs.", no_args_is_help=True)
-app.add_typer(logs)
 
 LevelChoice = Enum("LevelChoice", {level: level for level in LOG_LEVELS}, type=str)
 

@@ -8,7 +8,6 @@ from typing import Annotated
 
 import typer
 
-from rollout.cli.app import app
 from rollout.cli.options import Format, FormatOption, SetOption, local_path
 from rollout.cli.render import stderr, stdout, user_errors
 from rollout.planner.memory import gib
@@ -18,7 +17,6 @@ plan_app = typer.Typer(
     no_args_is_help=False,
     help="Freeze a config into plan.lock (or show one with `rollout plan show`).",
 )
-app.add_typer(plan_app, name="plan")
 
 OutputOption = Annotated[
     Path, typer.Option("--output", "-o", help="Where to write the plan.", show_default=True)

@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from rollout.cli.app import app
 from rollout.cli.options import SetOption, local_path
 from rollout.cli.render import stderr, stdout, user_errors
 from rollout.errors import Issue, RolloutError
@@ -17,7 +16,6 @@ EXIT_FAILED = 1
 EXIT_STOPPED = 130
 
 
-@app.command()
 def run(
     plan: Annotated[
         str | None, typer.Option("--plan", "-p", help="The plan.lock written by `rollout plan`.")

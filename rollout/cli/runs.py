@@ -16,7 +16,6 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from rollout.cli.app import app
 from rollout.cli.options import Format, FormatOption
 from rollout.cli.render import stdout, user_errors
 from rollout.errors import Issue, RolloutError
@@ -25,7 +24,6 @@ from rollout.storage import check_run_id, default_store_location, find_run, open
 from rollout.storage.base import RUN_STATUSES, MetricRecord, RunRecord, RunStore
 
 runs = typer.Typer(name="runs", help="List, inspect and cancel runs.", no_args_is_help=True)
-app.add_typer(runs)
 
 StatusChoice = Enum("StatusChoice", {status: status for status in RUN_STATUSES}, type=str)
 

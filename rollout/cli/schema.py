@@ -9,7 +9,6 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from rollout.cli.app import app
 from rollout.cli.render import stderr, stdout
 from rollout.schema import PATHS, artifact_text, generated_files, stale_files, write_files
 
@@ -36,7 +35,6 @@ CheckOption = Annotated[
 ]
 
 
-@app.command()
 def schema(
     fmt: ArtifactOption = None, root: RootOption = Path("."), check: CheckOption = False
 ) -> None:

@@ -11,7 +11,6 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from rollout.cli.app import app
 from rollout.cli.options import local_path
 from rollout.cli.render import stdout, user_errors
 from rollout.errors import Issue, RolloutError
@@ -20,7 +19,6 @@ from rollout.redact import redact_text
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-@app.command()
 def serve(
     config: Annotated[
         str | None,

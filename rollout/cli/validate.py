@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 
-from rollout.cli.app import app
 from rollout.cli.options import ConfigOption, Format, FormatOption, SetOption, local_path
 from rollout.cli.render import stdout, user_errors
 from rollout.config import load_config
 from rollout.config.root import RunConfig
 
 
-@app.command()
 def validate(config: ConfigOption, set_: SetOption = None, fmt: FormatOption = Format.text) -> None:
     """Check a config: every mistake at once, each with its path and a fix. Exit 2 if any."""
     with user_errors(fmt.value):
