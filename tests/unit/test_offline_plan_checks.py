@@ -4,9 +4,7 @@ are not booleans; each names the file, the record and the field."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -14,46 +12,15 @@ from typer.testing import CliRunner
 from rollout.cli.app import app
 from rollout.errors import PlanError
 from rollout.planner.builder import build_plan
-from tests.conftest import write_toml
-
-PAIRS = [
-    {"prompt": f"What is {i} + 1?", "chosen": str(i + 1), "rejected": f"{i}1"} for i in range(8)
-]
-JUDGED = [
-    {"prompt": f"What is {i} + 1?", "completion": str(i + 1), "label": i % 2 == 0} for i in range(8)
-]
-DEMOS = [{"prompt": f"What is {i} + 1?", "completion": f"It is {i + 1}."} for i in range(8)]
-
-ALGORITHMS = {
-    "dpo": ({"kind": "dpo"}, {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}),
-    "ipo": ({"kind": "ipo"}, {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}),
-    "rm": ({"kind": "rm"}, {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}),
-    "kto": ({"kind": "kto"}, {"prompt": "prompt", "completion": "completion", "label": "label"}),
-    "sft": ({"kind": "sft"}, {"prompt": "prompt", "completion": "completion"}),
-}
-RECORDS = {"dpo": PAIRS, "ipo": PAIRS, "rm": PAIRS, "kto": JUDGED, "sft": DEMOS}
-
-
-def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    return path
-
-
-def offline_config(tmp_path: Path, kind: str, records=None, eval_records=None, **algorithm):
-    settings, fields = ALGORITHMS[kind]
-    write_jsonl(tmp_path / "train.jsonl", RECORDS[kind] if records is None else records)
-    data: dict[str, Any] = {"train": {"path": "train.jsonl"}, "fields": fields}
-    if eval_records is not None:
-        write_jsonl(tmp_path / "eval.jsonl", eval_records)
-        data["eval"] = {"path": "eval.jsonl"}
-    config = {
-        "run": {"name": "t", "output_dir": str(tmp_path / "runs")},
-        "model": {"builtin": "tiny-llama"},
-        "data": data,
-        "algorithm": {**settings, "batch_size": 4, "max_length": 64, **algorithm},
-        "cluster": {"device": "cpu"},
-    }
-    return write_toml(tmp_path / "run.toml", config)
+from tests.unit.conftest import (
+    ALGORITHMS,
+    DEMOS,
+    JUDGED,
+    PAIRS,
+    RECORDS,
+    offline_config,
+    write_jsonl,
+)
 
 
 def plan_issues(path: Path) -> list:

@@ -24,6 +24,7 @@ from rollout.planner.memory import (
     vllm_kv_room,
     vllm_share_issues,
 )
+from tests.unit.conftest import offline_config
 
 LAPTOP = HardwareFacts(
     platform="test", cpu_count=8, memory_bytes=16 * GIB, memory_available_bytes=12 * GIB
@@ -289,8 +290,6 @@ TINY_PARAMS = 512 * 64 + 2 * (64 * 128 + 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64
 def test_offline_kinds_count_a_reference_model_only_when_it_stays_loaded(
     tmp_path, kind, settings, reference_bytes
 ):
-    from tests.unit.test_offline_plan_checks import offline_config
-
     plan = build_plan(offline_config(tmp_path, kind, **settings), hardware=LAPTOP)
     assert plan.model.num_parameters == TINY_PARAMS == 106_816
     (estimate,) = plan.memory
@@ -313,8 +312,6 @@ def test_online_kinds_count_the_reference_model_of_their_kl_term(
 
 
 def test_explain_says_where_the_reference_comes_from(tmp_path):
-    from tests.unit.test_offline_plan_checks import offline_config
-
     def shown(**settings) -> str:
         console = Console(width=200, record=True)
         explain(build_plan(offline_config(tmp_path, "dpo", **settings), hardware=LAPTOP), console)
