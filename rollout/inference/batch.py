@@ -497,7 +497,7 @@ def _dtype(choice: ModelChoice, device: str) -> str:
 def _load(choice: ModelChoice, dtype: str, device: str) -> Any:
     from transformers.utils import logging as transformers_logging
 
-    from rollout.runtime.models import load_model
+    from rollout.models.loading import load_model
 
     transformers_logging.disable_progress_bar()  # the command draws its own
 
@@ -555,7 +555,7 @@ def _encode_all(job: _Job, loaded: Any) -> list[list[int]]:
 
 
 def _encode(loaded: Any, value: Any, use_template: bool, system_prompt: str | None) -> list[int]:
-    from rollout.runtime.models import apply_chat_template
+    from rollout.models.loading import apply_chat_template
 
     if prompt_kind(value) == "text":
         if use_template:
@@ -622,11 +622,11 @@ def model_directory(choice: ModelChoice) -> Path:
     dequantized copy of a GGUF file."""
     facts = choice.facts
     if facts.format == "builtin":
-        from rollout.testing.tiny_build import builtin_model_dir
+        from rollout.models.builtin_build import builtin_model_dir
 
         return Path(builtin_model_dir(facts.location.removeprefix("builtin:")))
     if facts.format == "gguf":
-        from rollout.runtime.models import dense_gguf_dir
+        from rollout.models.loading import dense_gguf_dir
 
         return dense_gguf_dir(facts.location.removeprefix("file://"), facts.fingerprint)
     return Path(facts.location.removeprefix("file://"))

@@ -25,6 +25,7 @@ from rollout.config.rules import kl_in_reward
 from rollout.engines.base import Engine, SamplingParams
 from rollout.engines.hf import HfEngine
 from rollout.harness.reward_runner import RewardRunner
+from rollout.models.loading import apply_chat_template, load_model
 from rollout.planner.builder import derive_seed
 from rollout.runtime.actor import Actor, PromptFormat
 from rollout.runtime.checkpoint import Extra
@@ -37,7 +38,6 @@ from rollout.runtime.components import (
 from rollout.runtime.critic import Critic, value_model_for
 from rollout.runtime.evaluate import evaluate
 from rollout.runtime.learner import Learner, LearnerKnobs
-from rollout.runtime.models import apply_chat_template, load_model
 from rollout.runtime.recording import record_means, record_metrics
 from rollout.runtime.run_state import RunState
 from rollout.runtime.shaping import TokenAdvantages

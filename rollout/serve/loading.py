@@ -1,5 +1,5 @@
 """What `rollout serve` serves: a model named by a config, a path or a checkpoint, loaded as a
-training worker loads it (rollout.runtime.models.load_model), behind an EngineService.
+training worker loads it (rollout.models.loading.load_model), behind an EngineService.
 
 Sources, exactly one:
 - a config file: its [model] section (with its tokenizer and chat template overrides) and its
@@ -200,7 +200,7 @@ def load_served(
     from rollout.engines.hf import HfEngine
     from rollout.engines.service import EngineService
     from rollout.inference.models import inspect_model_at
-    from rollout.runtime.models import load_model
+    from rollout.models.loading import load_model
     from rollout.serve.server import ServedModel
 
     facts = inspect_model_at(source.section, source.base_dir, source.option)

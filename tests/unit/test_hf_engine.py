@@ -20,7 +20,7 @@ from rollout.engines.sampling import (
     truncate,
     truncate_rows,
 )
-from rollout.runtime.models import apply_chat_template
+from rollout.models.loading import apply_chat_template
 
 LOGPROB_TOLERANCE = 1e-4
 """Max abs difference between the engine's and the learner's log-probs, in float32. Measured:
@@ -327,8 +327,8 @@ def family_model(request, tiny_llama, rollout_cache):
     if request.param == "llama":
         return tiny_llama
     from rollout.config.model import ModelSection
+    from rollout.models.loading import load_model
     from rollout.planner.inspect_model import inspect_model
-    from rollout.runtime.models import load_model
 
     section = ModelSection(builtin="tiny-qwen2")
     facts = inspect_model(section, base_dir=Path.cwd())

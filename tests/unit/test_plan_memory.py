@@ -32,7 +32,7 @@ TWO_H100 = LAPTOP.model_copy(
     update={"gpus": [GpuFacts(index=i, name="H100", memory_bytes=80 * GIB) for i in range(2)]}
 )
 
-# tiny-llama (rollout.testing.tiny): 2 layers, hidden 64, 4 heads of 16, 2 kv heads, MLP 128,
+# tiny-llama (rollout.models.builtin): 2 layers, hidden 64, 4 heads of 16, 2 kv heads, MLP 128,
 # vocab 512, tied embeddings.
 TINY_KV_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # keys and values x layers x kv heads x head_dim x fp32
 TINY_LINEAR = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128)  # q, k, v, o, gate, up, down
