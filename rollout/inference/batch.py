@@ -34,7 +34,7 @@ from pydantic import ValidationError
 from rollout.config.generation import GenerationSection
 from rollout.config.validate import translate_errors
 from rollout.errors import ConfigError, Issue, RolloutError
-from rollout.inference.models import ModelChoice, choose_model
+from rollout.inference.model_choice import ModelChoice, choose_model
 from rollout.inference.output import OutputFile, finished_output, open_output
 from rollout.inference.prompts import PromptFile, file_format, prompt_kind, read_prompts
 from rollout.planner.builder import derive_seed

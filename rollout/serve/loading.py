@@ -199,7 +199,7 @@ def load_served(
     """Load the model and start an EngineService: (ServedModel, the service)."""
     from rollout.engines.hf import HfEngine
     from rollout.engines.service import EngineService
-    from rollout.inference.models import inspect_model_at
+    from rollout.inference.model_choice import inspect_model_at
     from rollout.models.loading import load_model
     from rollout.serve.server import ServedModel
 
@@ -295,7 +295,7 @@ def _from_config(path: Path, name: str | None) -> ServeSource:
 
 def _model_section(model: str) -> ModelSection:
     """--model read as `rollout generate` reads it."""
-    from rollout.inference.models import model_source
+    from rollout.inference.model_choice import model_source
 
     chosen = {k: v for k, v in model_source(model).items() if v is not None and k != "format"}
     return _section("--model", **chosen)
@@ -314,7 +314,7 @@ def _section(flag: str, **fields: Any) -> ModelSection:
 def _checkpoint_dir(checkpoint: str) -> Path:
     """The step directory --checkpoint names (a step, run or checkpoints directory, or a run
     id), found as `rollout generate --checkpoint` finds it."""
-    from rollout.inference.models import find_checkpoint
+    from rollout.inference.model_choice import find_checkpoint
 
     return find_checkpoint(checkpoint).model_dir.parent
 
