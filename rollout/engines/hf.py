@@ -58,6 +58,7 @@ from rollout.engines.base import (
     FinishReason,
     SamplingParams,
     cache_keyword,
+    cut_at_stop,
 )
 from rollout.engines.sampling import sample_rows, sample_tokens
 
@@ -739,26 +740,6 @@ def left_pad(
         input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
         attention_mask[row, width - len(prompt) :] = 1
     return input_ids.to(device), attention_mask.to(device)
-
-
-def cut_at_stop(
-    token_ids: Sequence[int], stop: Sequence[str], decode: Callable[[Sequence[int]], str]
-) -> tuple[int, str]:
-    """Cut a completion before its first stop string: (tokens to keep, text before the stop).
-
-    Keeps the longest prefix of token_ids whose text lies within the text before the stop. When
-    a token straddles the start of the stop string, it is dropped and the text keeps its first
-    part, so the text can then run a few characters past decode(token_ids[:keep]).
-    """
-    text = decode(token_ids)
-    found = [at for at in (text.find(s) for s in stop) if at >= 0]
-    if not found:
-        return len(token_ids), text
-    text = text[: min(found)]
-    keep = len(token_ids)
-    while keep and not text.startswith(decode(token_ids[:keep])):
-        keep -= 1
-    return keep, text
 
 
 def preallocated_cache(config: Any, capacity: int) -> DynamicCache:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from rollout.engines import hf
-from rollout.engines.base import Completion, SamplingParams, cache_keyword
-from rollout.engines.hf import HfEngine, cut_at_stop, eval_mode
+from rollout.engines.base import Completion, SamplingParams, cache_keyword, cut_at_stop
+from rollout.engines.hf import HfEngine, eval_mode
 from rollout.engines.sampling import (
     sample_proportional,
     sample_rows,
