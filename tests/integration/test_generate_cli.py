@@ -193,7 +193,7 @@ JOB = ("--prompts", "many.jsonl", *TINY, "--n", "2", "--max-batch-size", "4", "-
 HELD = f"""
 import sys, time
 from pathlib import Path
-from rollout.engines.hf import HfEngine
+from rollout.engines.hf.engine import HfEngine
 
 generate, chunks = HfEngine.generate, []
 
@@ -299,7 +299,7 @@ def test_ctrl_c_stops_at_once_and_resumes(work, cache):
 def test_max_batch_size_sizes_the_engines_decode_batch(work, monkeypatch):
     """--max-batch-size (serve's name and the config's generation.max_batch_size; --batch-size
     is the same option) is the engine's decode width and the completions of a chunk."""
-    from rollout.engines.hf import HfEngine
+    from rollout.engines.hf.engine import HfEngine
 
     widths, chunks = [], []
     init, sample = HfEngine.__init__, HfEngine.generate

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from rollout.engines.base import SamplingParams
-from rollout.engines.hf import HfEngine
+from rollout.engines.hf.engine import HfEngine
 from rollout.engines.service import (
     EngineService,
     RequestCancelled,

@@ -13,7 +13,7 @@ import torch
 
 from rollout.config.model import ModelSection
 from rollout.engines.base import SamplingParams
-from rollout.engines.hf import HfEngine
+from rollout.engines.hf.engine import HfEngine
 from rollout.models import builtin
 from rollout.models.builtin_build import build_tiny
 from rollout.models.loading import apply_chat_template, load_model

@@ -208,11 +208,11 @@ def test_kv_bytes_per_token_matches_what_the_model_caches(tiny_llama):
 
 def test_packed_weight_rule_mirrors_the_hf_engine(tiny_llama):
     """The planner's copy of the engine's packing rule: same constants, same bytes."""
-    from rollout.engines import hf
+    from rollout.engines.hf import packing
     from rollout.planner import memory
 
-    assert memory.PACK_MIN_NEW_TOKENS == hf.PACK_MIN_NEW_TOKENS
-    assert memory.PACK_MAX_BYTES == hf.PACK_MAX_BYTES
+    assert memory.PACK_MIN_NEW_TOKENS == packing.PACK_MIN_NEW_TOKENS
+    assert memory.PACK_MAX_BYTES == packing.PACK_MAX_BYTES
     model = tiny_llama.model
     packed = [
         getattr(getattr(layer, part), name).weight
@@ -228,7 +228,7 @@ def test_packed_weight_rule_mirrors_the_hf_engine(tiny_llama):
     assert packed_weight_bytes(facts, "float32", "cpu", 16) == expected
     for new_tokens in (8, 16):
         planned = packed_weight_bytes(facts, "float32", "cpu", new_tokens) > 0
-        assert planned == hf.should_pack(model, new_tokens)
+        assert planned == packing.should_pack(model, new_tokens)
 
 
 def test_explain_shows_the_engine_batch_kv_cache_and_memory(config_file, base_config):
