@@ -579,21 +579,10 @@ def _encode(loaded: Any, value: Any, use_template: bool, system_prompt: str | No
 
 
 def _engine(job: _Job, loaded: Any) -> Any:
-    name, choice, generation = job.engine, job.choice, job.generation
-    if name == "hf":
-        from rollout.engines.hf.engine import HfEngine
+    from rollout.engines.build import build_engine
 
-        return HfEngine(
-            loaded.model,
-            eos_token_ids=loaded.eos_token_ids,
-            pad_token_id=loaded.pad_token_id,
-            tokenizer=loaded.tokenizer,
-            max_batch_size=job.batch_size,
-            device=job.device,
-            seed=job.seed,
-            keep_packed=True,  # the weights never change: pack them once, not per chunk
-        )
-    if importlib.util.find_spec("vllm") is None:
+    name, choice, generation = job.engine, job.choice, job.generation
+    if name == "vllm" and importlib.util.find_spec("vllm") is None:
         raise RolloutError(
             Issue(
                 "--engine",
@@ -601,19 +590,26 @@ def _engine(job: _Job, loaded: Any) -> Any:
                 hint="pip install 'rollout[vllm]' on a machine with an NVIDIA GPU, or --engine hf",
             )
         )
-    from rollout.engines.vllm import VllmEngine
-
-    directory = model_directory(choice)
-    loaded.model = None  # vLLM loads its own copy; the tokenizer and eos ids are what is kept
-    return VllmEngine(
-        str(directory),
+    directory = tokenizer_dir = None
+    if name == "vllm":
+        directory = model_directory(choice)
+        tokenizer_dir = getattr(loaded.tokenizer, "name_or_path", None) or str(directory)
+        loaded.model = None  # vLLM loads its own copy; the tokenizer and eos ids are what is kept
+    return build_engine(
+        name,
+        model=loaded.model,
+        tokenizer=loaded.tokenizer,
         eos_token_ids=loaded.eos_token_ids,
-        tokenizer=getattr(loaded.tokenizer, "name_or_path", None) or str(directory),
-        dtype=job.dtype,
+        pad_token_id=loaded.pad_token_id,
+        device=job.device,
+        max_batch_size=job.batch_size,
         seed=job.seed,
+        keep_packed=True,  # the weights never change: pack them once, not per chunk
+        model_dir=directory,
+        tokenizer_dir=tokenizer_dir,
+        dtype=job.dtype,
         gpu_memory_utilization=generation.gpu_memory_utilization,
         max_model_len=choice.facts.context_length,
-        max_num_seqs=job.batch_size,
     )
 
 

@@ -197,7 +197,7 @@ def load_served(
     source: ServeSource, *, device: str, dtype: str, seed: int | None, max_batch_size: int | None
 ) -> Any:
     """Load the model and start an EngineService: (ServedModel, the service)."""
-    from rollout.engines.hf.engine import HfEngine
+    from rollout.engines.build import build_engine
     from rollout.engines.service import EngineService
     from rollout.inference.model_choice import inspect_model_at
     from rollout.models.loading import load_model
@@ -209,13 +209,14 @@ def load_served(
     if dtype == "auto":
         dtype = "float32" if device == "cpu" else "bfloat16"
     loaded = load_model(facts, source.section, dtype=dtype, device=device, base_dir=source.base_dir)
-    engine = HfEngine(
-        loaded.model,
+    engine = build_engine(
+        "hf",  # EngineService drives the hf engine's decode batch
+        model=loaded.model,
+        tokenizer=loaded.tokenizer,
         eos_token_ids=loaded.eos_token_ids,
         pad_token_id=loaded.pad_token_id,
-        tokenizer=loaded.tokenizer,
-        max_batch_size=max_batch_size or source.max_batch_size,
         device=device,
+        max_batch_size=max_batch_size or source.max_batch_size,
         seed=seed,
     )
     engine.load_weights(None, version=source.policy_version)
