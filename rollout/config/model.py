@@ -10,7 +10,7 @@ from rollout.config.base import ConfigModel
 from rollout.config.secrets import Location
 
 BuiltinModel = Literal["tiny-llama", "tiny-qwen2"]
-"""Tiny random models that rollout.testing builds on demand (no download). For tests and examples."""
+"""Tiny random models that rollout builds on demand (rollout.models.builtin; no download)."""
 BUILTIN_MODELS: tuple[str, ...] = get_args(BuiltinModel)
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -31,7 +31,7 @@ class ModelSection(ConfigModel):
     )
     builtin: BuiltinModel | None = Field(
         default=None,
-        description="A tiny random model built on demand by rollout.testing; nothing is downloaded. "
+        description="A tiny random model that rollout builds on demand; nothing is downloaded. "
         "For tests, examples and smoke runs.",
     )
     file: str | None = Field(

@@ -1,4 +1,5 @@
-"""The generation Protocol every engine implements (hf, vllm), and the types it speaks.
+"""The generation Protocol every engine implements (hf, vllm), the types it speaks, and the
+rule both engines cut a completion at a stop string by (cut_at_stop).
 
 Batch-first: an engine takes many prompts (as token ids) and returns one result per completion.
 Engines import torch and their backend; they never see config objects: the runtime turns the
@@ -7,7 +8,7 @@ plan's generation settings into SamplingParams.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -95,3 +96,23 @@ def cache_keyword(model: torch.nn.Module) -> str:
 
     parameters = inspect.signature(model.forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
+
+
+def cut_at_stop(
+    token_ids: Sequence[int], stop: Sequence[str], decode: Callable[[Sequence[int]], str]
+) -> tuple[int, str]:
+    """Cut a completion before its first stop string: (tokens to keep, text before the stop).
+
+    Keeps the longest prefix of token_ids whose text lies within the text before the stop. When
+    a token straddles the start of the stop string, it is dropped and the text keeps its first
+    part, so the text can then run a few characters past decode(token_ids[:keep]).
+    """
+    text = decode(token_ids)
+    found = [at for at in (text.find(s) for s in stop) if at >= 0]
+    if not found:
+        return len(token_ids), text
+    text = text[: min(found)]
+    keep = len(token_ids)
+    while keep and not text.startswith(decode(token_ids[:keep])):
+        keep -= 1
+    return keep, text

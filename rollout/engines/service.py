@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from rollout.engines.base import Completion, EngineStats, FinishReason, SamplingParams
-from rollout.engines.hf import DecodeBatch, GenerationRow, HfEngine, eval_mode
+from rollout.engines.hf.decode_batch import DecodeBatch, GenerationRow
+from rollout.engines.hf.engine import HfEngine, eval_mode
 
 log = logging.getLogger("rollout.engines.service")
 

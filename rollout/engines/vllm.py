@@ -8,7 +8,7 @@ What a Completion carries is exactly what the hf engine gives (rollout.engines.b
 learner cannot tell the engines apart:
 - token_ids are vLLM's sampled tokens; an end-of-sequence token that ended the completion is
   included (every id the hf engine treats as eos is passed to vLLM as a stop token id), and a
-  stop string's tokens are cut off with the hf engine's own `cut_at_stop`.
+  stop string's tokens are cut off with `cut_at_stop`, as the hf engine cuts them.
 - logprobs come from vLLM with `logprobs_mode = "processed_logprobs"` (vLLM >= 0.10.2): the
   sampled token's log-probability after temperature scaling. That is the hf engine's
   log_softmax(logits / T) when top_k and top_p are off. With top_k or top_p on, vLLM reports the
@@ -38,8 +38,13 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rollout.engines.base import Completion, EngineStats, FinishReason, SamplingParams
-from rollout.engines.hf import cut_at_stop
+from rollout.engines.base import (
+    Completion,
+    EngineStats,
+    FinishReason,
+    SamplingParams,
+    cut_at_stop,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -67,7 +72,7 @@ class VllmEngine:
         **llm_kwargs: Any,
     ) -> None:
         """`model` is a local Hugging Face model directory (config.json and safetensors);
-        `eos_token_ids` every id that ends a completion (as rollout.runtime.models finds them).
+        `eos_token_ids` every id that ends a completion (as rollout.models.loading finds them).
         `seed` seeds vLLM and the engine's own seed stream (used when SamplingParams.seed is
         None). Other keyword arguments go to vllm.LLM unchanged."""
         if not eos_token_ids:

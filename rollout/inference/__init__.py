@@ -1,7 +1,7 @@
 """Batch inference: `rollout generate` samples completions for a file of prompts, resumably.
 
-models.py   which model: a config's [model], a path, GGUF or builtin, or a run's checkpoint
-prompts.py  the prompt file (JSONL or Parquet, local or fsspec), checked record by record
-output.py   the output file (JSONL or Parquet), written so an interrupted job resumes
-batch.py    the job: settings, encoding, the generation loop
+model_choice.py  which model: a config's [model], a path, GGUF or builtin, or a run's checkpoint
+prompts.py       the prompt file (JSONL or Parquet, local or fsspec), checked record by record
+output.py        the output file (JSONL or Parquet), written so an interrupted job resumes
+batch.py         the job: settings, encoding, the generation loop
 """

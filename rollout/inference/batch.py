@@ -34,7 +34,7 @@ from pydantic import ValidationError
 from rollout.config.generation import GenerationSection
 from rollout.config.validate import translate_errors
 from rollout.errors import ConfigError, Issue, RolloutError
-from rollout.inference.models import ModelChoice, choose_model
+from rollout.inference.model_choice import ModelChoice, choose_model
 from rollout.inference.output import OutputFile, finished_output, open_output
 from rollout.inference.prompts import PromptFile, file_format, prompt_kind, read_prompts
 from rollout.planner.builder import derive_seed
@@ -497,7 +497,7 @@ def _dtype(choice: ModelChoice, device: str) -> str:
 def _load(choice: ModelChoice, dtype: str, device: str) -> Any:
     from transformers.utils import logging as transformers_logging
 
-    from rollout.runtime.models import load_model
+    from rollout.models.loading import load_model
 
     transformers_logging.disable_progress_bar()  # the command draws its own
 
@@ -555,7 +555,7 @@ def _encode_all(job: _Job, loaded: Any) -> list[list[int]]:
 
 
 def _encode(loaded: Any, value: Any, use_template: bool, system_prompt: str | None) -> list[int]:
-    from rollout.runtime.models import apply_chat_template
+    from rollout.models.loading import apply_chat_template
 
     if prompt_kind(value) == "text":
         if use_template:
@@ -579,21 +579,10 @@ def _encode(loaded: Any, value: Any, use_template: bool, system_prompt: str | No
 
 
 def _engine(job: _Job, loaded: Any) -> Any:
-    name, choice, generation = job.engine, job.choice, job.generation
-    if name == "hf":
-        from rollout.engines.hf import HfEngine
+    from rollout.engines.build import build_engine
 
-        return HfEngine(
-            loaded.model,
-            eos_token_ids=loaded.eos_token_ids,
-            pad_token_id=loaded.pad_token_id,
-            tokenizer=loaded.tokenizer,
-            max_batch_size=job.batch_size,
-            device=job.device,
-            seed=job.seed,
-            keep_packed=True,  # the weights never change: pack them once, not per chunk
-        )
-    if importlib.util.find_spec("vllm") is None:
+    name, choice, generation = job.engine, job.choice, job.generation
+    if name == "vllm" and importlib.util.find_spec("vllm") is None:
         raise RolloutError(
             Issue(
                 "--engine",
@@ -601,19 +590,26 @@ def _engine(job: _Job, loaded: Any) -> Any:
                 hint="pip install 'rollout[vllm]' on a machine with an NVIDIA GPU, or --engine hf",
             )
         )
-    from rollout.engines.vllm import VllmEngine
-
-    directory = model_directory(choice)
-    loaded.model = None  # vLLM loads its own copy; the tokenizer and eos ids are what is kept
-    return VllmEngine(
-        str(directory),
+    directory = tokenizer_dir = None
+    if name == "vllm":
+        directory = model_directory(choice)
+        tokenizer_dir = getattr(loaded.tokenizer, "name_or_path", None) or str(directory)
+        loaded.model = None  # vLLM loads its own copy; the tokenizer and eos ids are what is kept
+    return build_engine(
+        name,
+        model=loaded.model,
+        tokenizer=loaded.tokenizer,
         eos_token_ids=loaded.eos_token_ids,
-        tokenizer=getattr(loaded.tokenizer, "name_or_path", None) or str(directory),
-        dtype=job.dtype,
+        pad_token_id=loaded.pad_token_id,
+        device=job.device,
+        max_batch_size=job.batch_size,
         seed=job.seed,
+        keep_packed=True,  # the weights never change: pack them once, not per chunk
+        model_dir=directory,
+        tokenizer_dir=tokenizer_dir,
+        dtype=job.dtype,
         gpu_memory_utilization=generation.gpu_memory_utilization,
         max_model_len=choice.facts.context_length,
-        max_num_seqs=job.batch_size,
     )
 
 
@@ -622,11 +618,11 @@ def model_directory(choice: ModelChoice) -> Path:
     dequantized copy of a GGUF file."""
     facts = choice.facts
     if facts.format == "builtin":
-        from rollout.testing.tiny_build import builtin_model_dir
+        from rollout.models.builtin_build import builtin_model_dir
 
         return Path(builtin_model_dir(facts.location.removeprefix("builtin:")))
     if facts.format == "gguf":
-        from rollout.runtime.models import dense_gguf_dir
+        from rollout.models.loading import dense_gguf_dir
 
         return dense_gguf_dir(facts.location.removeprefix("file://"), facts.fingerprint)
     return Path(facts.location.removeprefix("file://"))

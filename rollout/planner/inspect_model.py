@@ -1,6 +1,6 @@
 """Facts about the model, read from its metadata without loading weights (and without torch).
 
-Three kinds of model: a builtin tiny model (rollout.testing.tiny), a Hugging Face directory
+Three kinds of model: a builtin tiny model (rollout.models.builtin), a Hugging Face directory
 (config.json, safetensors headers, tokenizer files) and a GGUF file (its header only). A `package`
 is an installed Python package, located without importing it, that ships one of the last two.
 Every problem becomes an Issue at `model.path`, `model.package` or `model.file` (or at the
@@ -20,11 +20,11 @@ from typing import Any, Literal
 
 from rollout.config.model import ModelSection
 from rollout.errors import Issue, PlanError
+from rollout.models import builtin
+from rollout.models.gguf import GGUFArray, file_type_name, read_gguf_header
 from rollout.planner import locations
 from rollout.planner.definition import ModelFacts
 from rollout.planner.fingerprint import is_url, open_binary, sha256_bytes, sha256_file
-from rollout.planner.gguf import GGUFArray, file_type_name, read_gguf_header
-from rollout.testing import tiny
 
 GGUF_FINGERPRINT_BYTES = 4 << 20
 """A GGUF's fingerprint hashes this prefix (the whole header of a typical model) and its size."""
@@ -107,7 +107,7 @@ def inspect_model(section: ModelSection, *, base_dir: Path) -> ModelFacts:
 
 
 def _builtin_facts(name: str) -> ModelFacts:
-    model_spec = tiny.spec(name)
+    model_spec = builtin.spec(name)
     config = model_spec["config"]
     fields, _ = _hf_architecture(config)
     canonical = json.dumps(model_spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -116,7 +116,7 @@ def _builtin_facts(name: str) -> ModelFacts:
         location=f"builtin:{name}",
         format="builtin",
         fingerprint=sha256_bytes(canonical.encode()),
-        num_parameters=tiny.param_count(config),
+        num_parameters=builtin.param_count(config),
         chat_template=True,
         **fields,
     )
@@ -380,7 +380,7 @@ def _hf_num_parameters(
     # config.json is read there), and a .bin checkpoint cannot be read without torch: count from
     # the config, exactly for Llama/Mistral/Qwen2 and as an estimate for other model types.
     if is_url(directory) or not all(name.endswith(".safetensors") for name in weights):
-        return tiny.param_count(config)
+        return builtin.param_count(config)
     total = 0
     for name in weights:
         path = locations.join(directory, name)

@@ -46,16 +46,17 @@ the rest)."""
 # estimate for a transformer block without recomputation (attention and MLP intermediates).
 _ACTIVATION_FACTOR = 34
 
-# The hf engine's weight packing, duplicated here because the planner never imports the engine
-# (it imports torch). The rule is rollout.engines.hf.should_pack: a Llama-family model whose
+# The hf engine's weight packing, duplicated here because the planner never imports the engine (it
+# imports torch). The rule is rollout.engines.hf.packing.should_pack: a Llama-family model whose
 # weights are float32 on the CPU, generating at least PACK_MIN_NEW_TOKENS tokens, and whose 2-D
-# weights take at most PACK_MAX_BYTES, decodes through a packed GEMM (oneDNN's, else MKL's), with
-# a packed copy of every linear layer (attention, MLP, and the head) alive while a chunk is sampled. A unit test
-# checks these constants against the engine's.
+# weights take at most PACK_MAX_BYTES, decodes through a packed GEMM (oneDNN's, else MKL's), with a
+# packed copy of every linear layer (attention, MLP, and the head) alive while a chunk is sampled. A
+# unit test checks these constants against the engine's.
 PACK_MIN_NEW_TOKENS = 16
-"""rollout.engines.hf.PACK_MIN_NEW_TOKENS."""
+"""rollout.engines.hf.packing.PACK_MIN_NEW_TOKENS."""
 PACK_MAX_BYTES = 2 * GIB
-"""rollout.engines.hf.PACK_MAX_BYTES: the largest 2-D weights (in bytes) the engine packs."""
+"""rollout.engines.hf.packing.PACK_MAX_BYTES: the largest 2-D weights (in bytes) the engine
+packs."""
 PACKED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 """model_types the engine decodes through its written-out (and packable) Llama step."""
 

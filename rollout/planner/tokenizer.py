@@ -7,7 +7,7 @@ special tokens, as transformers' apply_chat_template does. A test checks the cou
 worker's transformers tokenizer.
 
 A GGUF file's tokenizer is converted by transformers when a worker first loads the model, into
-rollout's cache of the dequantized model (rollout.runtime.models.dense_gguf_dir). The planner
+rollout's cache of the dequantized model (rollout.models.loading.dense_gguf_dir). The planner
 reads the tokenizer from there once it exists, or from model.tokenizer when that is set (the
 worker then uses it too). Where no tokenizer.json can be read without transformers (a GGUF file
 before its first run, a remote model, a sentencepiece-only tokenizer), `load` returns None and the
@@ -21,12 +21,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from rollout.cache import cache_root
 from rollout.config.model import ModelSection
+from rollout.models.cache import cache_root
+from rollout.models.gguf import read_gguf_header
 from rollout.planner import locations
 from rollout.planner.definition import ModelFacts
 from rollout.planner.fingerprint import is_url
-from rollout.planner.gguf import read_gguf_header
 
 _SPECIAL_TOKENS = (
     "bos_token",
@@ -93,7 +93,7 @@ def load(facts: ModelFacts, section: ModelSection, *, base_dir: Path) -> PlanTok
 
 def dense_gguf_directory(fingerprint: str) -> Path:
     """Where a worker keeps the GGUF file of this fingerprint dequantized, with its tokenizer
-    converted by transformers (rollout.runtime.models.dense_gguf_dir builds it)."""
+    converted by transformers (rollout.models.loading.dense_gguf_dir builds it)."""
     return cache_root() / "gguf" / fingerprint[:16]
 
 
@@ -123,21 +123,21 @@ def _gguf_eos(location: str) -> int | None:
 
 
 def _builtin(name: str, override: str | None) -> PlanTokenizer:
-    from rollout.testing import tiny
-    from rollout.testing.tiny_build import tiny_tokenizer
+    from rollout.models import builtin
+    from rollout.models.builtin_build import tiny_tokenizer
 
-    endoftext, im_start, im_end = tiny.SPECIAL_TOKENS
+    endoftext, im_start, im_end = builtin.SPECIAL_TOKENS
     return PlanTokenizer(
         tiny_tokenizer(),
-        chat_template=override or tiny.CHAT_TEMPLATE,
+        chat_template=override or builtin.CHAT_TEMPLATE,
         special_tokens={"bos_token": im_start, "eos_token": im_end, "pad_token": endoftext},
-        eos_token_id=tiny.hf_config(name)["eos_token_id"],
+        eos_token_id=builtin.hf_config(name)["eos_token_id"],
     )
 
 
 class NoEndOfSequence(ValueError):
     """Neither the model's config nor its tokenizer names an end-of-sequence token: the worker
-    would refuse the model (rollout.runtime.models), so the plan does."""
+    would refuse the model (rollout.models.loading), so the plan does."""
 
 
 def _from_directory(
@@ -185,12 +185,12 @@ def _chat_template_override(section: ModelSection, base_dir: Path) -> str | None
 
 
 def _model_eos(facts: ModelFacts) -> int | None:
-    """The first end-of-sequence id the worker finds (rollout.runtime.models looks in the
+    """The first end-of-sequence id the worker finds (rollout.models.loading looks in the
     generation config, then the model config, then the tokenizer)."""
     if facts.format == "builtin":
-        from rollout.testing import tiny
+        from rollout.models import builtin
 
-        return tiny.hf_config(facts.location.removeprefix("builtin:"))["eos_token_id"]
+        return builtin.hf_config(facts.location.removeprefix("builtin:"))["eos_token_id"]
     return _configured_eos(Path(facts.location.removeprefix("file://")))
 
 

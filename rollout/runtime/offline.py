@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 from rollout.harness.model_reward import SAMPLE_FORMAT_KEY
+from rollout.models.loading import LoadedModel, load_model
 from rollout.planner.builder import derive_seed
 from rollout.runtime.components import build_optimizer, build_scheduler
 from rollout.runtime.data import PromptStream
-from rollout.runtime.models import LoadedModel, load_model
 from rollout.runtime.offline_batch import CompletionBatch
 from rollout.runtime.offline_data import Split, load_splits
 from rollout.runtime.offline_objectives import (

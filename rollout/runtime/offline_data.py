@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rollout.models.loading import LoadedModel
 from rollout.planner.inspect_samples import sample_rules
 from rollout.planner.samples import Demonstration, Judged, Pair, SampleError, SampleRules
 from rollout.runtime.data import load_records
-from rollout.runtime.models import LoadedModel
 
 if TYPE_CHECKING:
     from rollout.planner.definition import Plan

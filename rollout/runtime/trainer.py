@@ -23,8 +23,10 @@ import torch
 from rollout.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from rollout.config.rules import kl_in_reward
 from rollout.engines.base import Engine, SamplingParams
-from rollout.engines.hf import HfEngine
+from rollout.engines.build import build_engine
+from rollout.engines.hf.engine import HfEngine
 from rollout.harness.reward_runner import RewardRunner
+from rollout.models.loading import apply_chat_template, load_model
 from rollout.planner.builder import derive_seed
 from rollout.runtime.actor import Actor, PromptFormat
 from rollout.runtime.checkpoint import Extra
@@ -37,7 +39,6 @@ from rollout.runtime.components import (
 from rollout.runtime.critic import Critic, value_model_for
 from rollout.runtime.evaluate import evaluate
 from rollout.runtime.learner import Learner, LearnerKnobs
-from rollout.runtime.models import apply_chat_template, load_model
 from rollout.runtime.recording import record_means, record_metrics
 from rollout.runtime.run_state import RunState
 from rollout.runtime.shaping import TokenAdvantages
@@ -272,30 +273,29 @@ def _inside_reward(ctx: WorkerContext) -> Callable[[str], Any]:
 
 def _build_engine(ctx: WorkerContext, loaded, model: torch.nn.Module) -> Engine:
     plan, gen = ctx.plan, ctx.plan.config.generation
-    if gen.engine == "vllm":
+    vllm = gen.engine == "vllm"
+    directory = None
+    if vllm:
         # vLLM loads a model directory of its own: the policy as loaded (GGUF dequantized,
         # overrides applied) is written once to the run directory, then synced after each step.
-        from rollout.engines.vllm import VllmEngine
-
         directory = Path(plan.derived.run_dir) / "engine-model" / f"rank-{ctx.rank}"
         model.save_pretrained(directory)
         loaded.tokenizer.save_pretrained(directory)
-        return VllmEngine(
-            str(directory),
-            eos_token_ids=loaded.eos_token_ids,
-            dtype=plan.derived.dtype,
-            seed=derive_seed(plan.seeds.sampling, f"engine:{ctx.rank}"),
-            gpu_memory_utilization=gen.gpu_memory_utilization,
-            max_model_len=gen.max_prompt_tokens + gen.max_new_tokens,
-            max_num_seqs=gen.max_batch_size,
-        )
-    return HfEngine(
-        model,
+    return build_engine(
+        gen.engine,
+        model=model,
+        tokenizer=loaded.tokenizer,
         eos_token_ids=loaded.eos_token_ids,
         pad_token_id=loaded.pad_token_id,
-        tokenizer=loaded.tokenizer,
-        max_batch_size=gen.max_batch_size,
         device=ctx.device,
+        max_batch_size=gen.max_batch_size,
+        # vLLM is seeded per rank when it starts; the hf engine's own stream is never drawn from
+        # here (every rollout brings its seed, evaluation is greedy), so it stays unseeded.
+        seed=derive_seed(plan.seeds.sampling, f"engine:{ctx.rank}") if vllm else None,
+        model_dir=directory,
+        dtype=plan.derived.dtype,
+        gpu_memory_utilization=gen.gpu_memory_utilization,
+        max_model_len=gen.max_prompt_tokens + gen.max_new_tokens,
     )
 
 

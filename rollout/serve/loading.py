@@ -1,5 +1,5 @@
 """What `rollout serve` serves: a model named by a config, a path or a checkpoint, loaded as a
-training worker loads it (rollout.runtime.models.load_model), behind an EngineService.
+training worker loads it (rollout.models.loading.load_model), behind an EngineService.
 
 Sources, exactly one:
 - a config file: its [model] section (with its tokenizer and chat template overrides) and its
@@ -197,10 +197,10 @@ def load_served(
     source: ServeSource, *, device: str, dtype: str, seed: int | None, max_batch_size: int | None
 ) -> Any:
     """Load the model and start an EngineService: (ServedModel, the service)."""
-    from rollout.engines.hf import HfEngine
+    from rollout.engines.build import build_engine
     from rollout.engines.service import EngineService
-    from rollout.inference.models import inspect_model_at
-    from rollout.runtime.models import load_model
+    from rollout.inference.model_choice import inspect_model_at
+    from rollout.models.loading import load_model
     from rollout.serve.server import ServedModel
 
     facts = inspect_model_at(source.section, source.base_dir, source.option)
@@ -209,13 +209,14 @@ def load_served(
     if dtype == "auto":
         dtype = "float32" if device == "cpu" else "bfloat16"
     loaded = load_model(facts, source.section, dtype=dtype, device=device, base_dir=source.base_dir)
-    engine = HfEngine(
-        loaded.model,
+    engine = build_engine(
+        "hf",  # EngineService drives the hf engine's decode batch
+        model=loaded.model,
+        tokenizer=loaded.tokenizer,
         eos_token_ids=loaded.eos_token_ids,
         pad_token_id=loaded.pad_token_id,
-        tokenizer=loaded.tokenizer,
-        max_batch_size=max_batch_size or source.max_batch_size,
         device=device,
+        max_batch_size=max_batch_size or source.max_batch_size,
         seed=seed,
     )
     engine.load_weights(None, version=source.policy_version)
@@ -295,7 +296,7 @@ def _from_config(path: Path, name: str | None) -> ServeSource:
 
 def _model_section(model: str) -> ModelSection:
     """--model read as `rollout generate` reads it."""
-    from rollout.inference.models import model_source
+    from rollout.inference.model_choice import model_source
 
     chosen = {k: v for k, v in model_source(model).items() if v is not None and k != "format"}
     return _section("--model", **chosen)
@@ -314,7 +315,7 @@ def _section(flag: str, **fields: Any) -> ModelSection:
 def _checkpoint_dir(checkpoint: str) -> Path:
     """The step directory --checkpoint names (a step, run or checkpoints directory, or a run
     id), found as `rollout generate --checkpoint` finds it."""
-    from rollout.inference.models import find_checkpoint
+    from rollout.inference.model_choice import find_checkpoint
 
     return find_checkpoint(checkpoint).model_dir.parent
 

@@ -48,11 +48,11 @@ from pydantic import BaseModel
 from rollout.config.algorithm import ONLINE_KINDS
 from rollout.config.root import RunConfig
 from rollout.errors import RolloutError
+from rollout.models.builtin_build import builtin_model_dir
 from rollout.planner.builder import build_plan
 from rollout.planner.definition import Plan
 from rollout.planner.hardware import probe_hardware
 from rollout.storage import open_store
-from rollout.testing.tiny_build import builtin_model_dir
 from tests.conftest import write_toml
 
 pytestmark = pytest.mark.slow

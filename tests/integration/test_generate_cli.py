@@ -66,8 +66,8 @@ def test_outputs_hold_every_sample_with_its_prompt_fields(work):
         (p, s) for p in range(12) for s in range(3)
     ]
     from rollout.config.model import ModelSection
+    from rollout.models.loading import apply_chat_template, load_model
     from rollout.planner.inspect_model import inspect_model
-    from rollout.runtime.models import apply_chat_template, load_model
 
     facts = inspect_model(ModelSection(builtin="tiny-llama"), base_dir=work)
     loaded = load_model(facts, ModelSection(builtin="tiny-llama"), dtype="float32", device="cpu")
@@ -138,10 +138,10 @@ def test_a_finished_job_is_not_generated_again(work):
 def test_generate_from_a_runs_checkpoint_by_path_and_by_run_id(work, base_config, config_file):
     """A run's checkpoint (saved as training saves it) and its plan's generation settings."""
     from rollout.config.model import ModelSection
+    from rollout.models.loading import load_model
     from rollout.planner.builder import build_plan
     from rollout.planner.inspect_model import inspect_model
     from rollout.runtime.checkpoint import save_checkpoint
-    from rollout.runtime.models import load_model
     from rollout.storage import open_store
 
     base_config["run"]["output_dir"] = str(work / "runs")
@@ -193,7 +193,7 @@ JOB = ("--prompts", "many.jsonl", *TINY, "--n", "2", "--max-batch-size", "4", "-
 HELD = f"""
 import sys, time
 from pathlib import Path
-from rollout.engines.hf import HfEngine
+from rollout.engines.hf.engine import HfEngine
 
 generate, chunks = HfEngine.generate, []
 
@@ -299,7 +299,7 @@ def test_ctrl_c_stops_at_once_and_resumes(work, cache):
 def test_max_batch_size_sizes_the_engines_decode_batch(work, monkeypatch):
     """--max-batch-size (serve's name and the config's generation.max_batch_size; --batch-size
     is the same option) is the engine's decode width and the completions of a chunk."""
-    from rollout.engines.hf import HfEngine
+    from rollout.engines.hf.engine import HfEngine
 
     widths, chunks = [], []
     init, sample = HfEngine.__init__, HfEngine.generate

@@ -25,9 +25,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from rollout.models.builtin_build import build_tiny
 from rollout.planner.definition import Plan
 from rollout.storage import open_store
-from rollout.testing.tiny_build import build_tiny
 from tests.integration.driver import environment, rollout
 
 pytestmark = pytest.mark.slow

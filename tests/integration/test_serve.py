@@ -38,8 +38,8 @@ WAIT_S = 60
 def tiny(rollout_cache):
     """The model as the server loads it, for expected token ids."""
     from rollout.config.model import ModelSection
+    from rollout.models.loading import load_model
     from rollout.planner.inspect_model import inspect_model
-    from rollout.runtime.models import load_model
 
     section = ModelSection(builtin=MODEL)
     facts = inspect_model(section, base_dir=Path.cwd())
@@ -107,7 +107,7 @@ def test_completion_and_its_rollout_fields(client, tiny):
 
 
 def test_chat_applies_the_template(client, tiny):
-    from rollout.runtime.models import apply_chat_template
+    from rollout.models.loading import apply_chat_template
 
     response = client.chat.completions.create(
         model=MODEL, messages=chat("Hi"), max_tokens=8, temperature=0, logprobs=True

@@ -16,8 +16,8 @@ from tests.conftest import write_toml
 
 
 def _load(section, *, dtype: str = "float32"):
+    from rollout.models.loading import load_model
     from rollout.planner.inspect_model import inspect_model
-    from rollout.runtime.models import load_model
 
     facts = inspect_model(section, base_dir=Path.cwd())
     return load_model(facts, section, dtype=dtype, device="cpu")

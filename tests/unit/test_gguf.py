@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from rollout.planner import gguf as gguf_module
-from rollout.planner.gguf import (
+from rollout.models import gguf as gguf_module
+from rollout.models.gguf import (
     KEEP_ARRAY_ITEMS,
     GGUFArray,
     TensorInfo,

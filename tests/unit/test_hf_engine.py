@@ -9,10 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import DynamicCache
 
-from rollout.engines import hf
-from rollout.engines.base import Completion, SamplingParams, cache_keyword
-from rollout.engines.hf import HfEngine, cut_at_stop, eval_mode
+from rollout.engines.base import Completion, SamplingParams, cache_keyword, cut_at_stop
+from rollout.engines.hf import decode_batch
+from rollout.engines.hf import engine as hf_engine
+from rollout.engines.hf import packing as hf_packing
+from rollout.engines.hf.engine import HfEngine, eval_mode
+from rollout.engines.hf.kv_cache import PreallocatedLayer, preallocated_cache
+from rollout.engines.hf.llama_decoder import LlamaDecoder, attention_bias
+from rollout.engines.hf.prompts import left_pad, shared_prefix_length
 from rollout.engines.sampling import (
     sample_proportional,
     sample_rows,
@@ -20,7 +26,7 @@ from rollout.engines.sampling import (
     truncate,
     truncate_rows,
 )
-from rollout.runtime.models import apply_chat_template
+from rollout.models.loading import apply_chat_template
 
 LOGPROB_TOLERANCE = 1e-4
 """Max abs difference between the engine's and the learner's log-probs, in float32. Measured:
@@ -327,8 +333,8 @@ def family_model(request, tiny_llama, rollout_cache):
     if request.param == "llama":
         return tiny_llama
     from rollout.config.model import ModelSection
+    from rollout.models.loading import load_model
     from rollout.planner.inspect_model import inspect_model
-    from rollout.runtime.models import load_model
 
     section = ModelSection(builtin="tiny-qwen2")
     facts = inspect_model(section, base_dir=Path.cwd())
@@ -342,10 +348,10 @@ def _decode_paths(monkeypatch, path: str) -> None:
     """Force one decode path: the model's own forward, or LlamaDecoder without packing or with
     one of the packing kernels (skipped where this torch lacks it)."""
     if path == "model-forward":
-        monkeypatch.setattr(hf.LlamaDecoder, "supports", staticmethod(lambda *_: False))
+        monkeypatch.setattr(LlamaDecoder, "supports", staticmethod(lambda *_: False))
         return
     packing = path.startswith("packed")
-    monkeypatch.setattr(hf, "should_pack", lambda *_: packing)
+    monkeypatch.setattr(hf_engine, "should_pack", lambda *_: packing)
     if packing:
         kernel = path.removeprefix("packed-")
         available = {
@@ -354,14 +360,15 @@ def _decode_paths(monkeypatch, path: str) -> None:
         }
         if not available[kernel]:
             pytest.skip(f"torch without {kernel}: no packed GEMM of that kind")
-        monkeypatch.setattr(hf, "packing_kernel", lambda: kernel)
+        for module in (hf_engine, hf_packing):  # the engine and packed_width ask for it
+            monkeypatch.setattr(module, "packing_kernel", lambda: kernel)
 
 
 @pytest.mark.parametrize("path", DECODE_PATHS)
 def test_every_decode_path_matches_the_learner(monkeypatch, family_model, prompts, path):
     engine = make_engine(family_model)
-    assert hf.LlamaDecoder.supports(
-        family_model.model, hf.preallocated_cache(family_model.model.config, 8)
+    assert LlamaDecoder.supports(
+        family_model.model, preallocated_cache(family_model.model.config, 8)
     )
     _decode_paths(monkeypatch, path)
     params = SamplingParams(max_new_tokens=12, temperature=0.7, n=2, seed=4)
@@ -388,42 +395,42 @@ def test_decode_paths_sample_the_same_tokens(monkeypatch, tiny_llama, prompts):
 
 def test_hooked_or_unfamiliar_models_run_their_own_forward(tiny_llama):
     model = tiny_llama.model
-    cache = hf.preallocated_cache(model.config, 8)
-    assert hf.LlamaDecoder.supports(model, cache)
+    cache = preallocated_cache(model.config, 8)
+    assert LlamaDecoder.supports(model, cache)
     # A hook on a module the written-out step calls (the embedding, as gradient checkpointing
     # adds) runs anyway; one on a module it bypasses would be skipped.
     embedding_hook = model.model.embed_tokens.register_forward_hook(lambda *_: None)
     mlp_hook = model.model.layers[0].mlp.register_forward_hook(lambda *_: None)
     try:
-        assert not hf.LlamaDecoder.supports(model, cache)
+        assert not LlamaDecoder.supports(model, cache)
         mlp_hook.remove()
-        assert hf.LlamaDecoder.supports(model, cache)
+        assert LlamaDecoder.supports(model, cache)
     finally:
         embedding_hook.remove()
         mlp_hook.remove()
     # Layers without a preallocated cache (e.g. sliding-window ones) are not written out.
-    assert not hf.LlamaDecoder.supports(model, hf.DynamicCache(config=model.config))
+    assert not LlamaDecoder.supports(model, DynamicCache(config=model.config))
 
 
 # --- the prefill -------------------------------------------------------------------------------
 
 
 def test_shared_prefix_length_leaves_every_prompt_a_token_to_run():
-    assert hf.shared_prefix_length([[1, 2, 3, 4], [1, 2, 3, 5, 6]]) == 3
-    assert hf.shared_prefix_length([[1, 2, 3], [1, 2, 3, 4]]) == 2
-    assert hf.shared_prefix_length([[7, 2], [8, 2]]) == 0
-    assert hf.shared_prefix_length([[1, 2, 3]]) == 0  # one prompt: nothing to share
+    assert shared_prefix_length([[1, 2, 3, 4], [1, 2, 3, 5, 6]]) == 3
+    assert shared_prefix_length([[1, 2, 3], [1, 2, 3, 4]]) == 2
+    assert shared_prefix_length([[7, 2], [8, 2]]) == 0
+    assert shared_prefix_length([[1, 2, 3]]) == 0  # one prompt: nothing to share
 
 
 def test_attention_bias_is_causal_padded_and_lets_padding_see_itself():
     mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
-    bias = hf.attention_bias(mask, new=3, dtype=torch.float32)  # the last 3 of 4 columns
+    bias = attention_bias(mask, new=3, dtype=torch.float32)  # the last 3 of 4 columns
     visible = (bias == 0).squeeze(1).int().tolist()
     assert visible[0] == [[0, 1, 0, 0], [0, 1, 1, 0], [0, 1, 1, 1]]
     assert visible[1] == [[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
-    padding_only = hf.attention_bias(torch.tensor([[0, 0, 1]]), new=3, dtype=torch.float32)
+    padding_only = attention_bias(torch.tensor([[0, 0, 1]]), new=3, dtype=torch.float32)
     assert (padding_only[0, 0, 0] == 0).int().tolist() == [1, 0, 0]  # sees itself, not NaN
-    decode = hf.attention_bias(mask, new=1, dtype=torch.float32)
+    decode = attention_bias(mask, new=1, dtype=torch.float32)
     assert decode.shape == (2, 1, 1, 4) and (decode[0, 0, 0] == 0).int().tolist() == [0, 1, 1, 1]
 
 
@@ -433,12 +440,12 @@ def test_written_out_prefill_matches_the_models_forward(monkeypatch, family_mode
     keys and values the model's own forward caches (padding columns aside)."""
     _decode_paths(monkeypatch, path)
     model = family_model.model
-    kernel = hf.packing_kernel() if hf.should_pack(model, 64) else None
-    decoder = hf.LlamaDecoder(model, len(prompts), kernel=kernel)
-    input_ids, mask = hf.left_pad(prompts, family_model.pad_token_id, torch.device("cpu"))
+    kernel = hf_packing.packing_kernel() if hf_engine.should_pack(model, 64) else None
+    decoder = LlamaDecoder(model, len(prompts), kernel=kernel)
+    input_ids, mask = left_pad(prompts, family_model.pad_token_id, torch.device("cpu"))
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     width = input_ids.shape[1]
-    ours, theirs = hf.preallocated_cache(model.config, width), hf.DynamicCache(config=model.config)
+    ours, theirs = preallocated_cache(model.config, width), DynamicCache(config=model.config)
     with torch.inference_mode():
         logits = decoder.forward(input_ids, positions, mask, ours)
         expected = model(
@@ -468,9 +475,9 @@ def test_a_shared_prompt_prefix_is_prefilled_once_and_changes_nothing(monkeypatc
         apply_chat_template(tiny_llama.tokenizer, tiny_llama.chat_template, q, SYSTEM)
         for q in questions
     ]
-    assert hf.shared_prefix_length(prompts) >= 10
+    assert shared_prefix_length(prompts) >= 10
     placed = []
-    place_prefix = hf._PreallocatedLayer.place_prefix
+    place_prefix = PreallocatedLayer.place_prefix
 
     def spy(layer, keys, values, firsts, length):
         placed.append(keys.shape[-2])
@@ -478,9 +485,9 @@ def test_a_shared_prompt_prefix_is_prefilled_once_and_changes_nothing(monkeypatc
 
     def sample(shared: bool, max_batch_size: int | None):
         with monkeypatch.context() as patch:
-            patch.setattr(hf._PreallocatedLayer, "place_prefix", spy)
+            patch.setattr(PreallocatedLayer, "place_prefix", spy)
             if not shared:
-                patch.setattr(hf, "SHARED_PREFIX_MIN_TOKENS", 10**9)
+                patch.setattr(decode_batch, "SHARED_PREFIX_MIN_TOKENS", 10**9)
             engine = make_engine(tiny_llama, max_batch_size=max_batch_size)
             return engine.generate(prompts, greedy(12, n=2))
 
@@ -682,7 +689,8 @@ def test_smollm2_logprobs_and_batching(smollm2):
 def test_kept_packed_weights_are_reused_until_the_weights_move(tiny_llama, prompts):
     """keep_packed: the second call samples what a fresh engine samples, with the same packed
     decoder; load_weights makes the next call pack anew."""
-    from rollout.engines.hf import HfEngine, should_pack
+    from rollout.engines.hf.engine import HfEngine
+    from rollout.engines.hf.packing import should_pack
 
     params = SamplingParams(max_new_tokens=16, n=2, seed=3)
     assert should_pack(tiny_llama.model, params.max_new_tokens)

@@ -17,8 +17,8 @@ import pytest
 
 from rollout.config.model import ModelSection
 from rollout.errors import PlanError
+from rollout.models import builtin
 from rollout.planner.inspect_model import inspect_model
-from rollout.testing import tiny
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
@@ -67,7 +67,7 @@ def hf_dir(tmp_path: Path) -> Path:
     """A complete tiny Llama checkpoint: config, safetensors weights, tokenizer, chat template."""
     directory = tmp_path / "tiny-llama"
     directory.mkdir()
-    config = tiny.hf_config("tiny-llama")
+    config = builtin.hf_config("tiny-llama")
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     write_safetensors(directory / "model.safetensors", llama_shapes(config))
     (directory / "tokenizer.json").write_text("{}")
@@ -142,9 +142,9 @@ def test_builtin_models(tmp_path):
     assert (llama.source, llama.format) == ("builtin", "builtin")
     assert llama.location == "builtin:tiny-llama"
     assert (llama.architecture, qwen2.architecture) == ("LlamaForCausalLM", "Qwen2ForCausalLM")
-    assert llama.num_parameters == tiny.param_count(tiny.hf_config("tiny-llama"))
+    assert llama.num_parameters == builtin.param_count(builtin.hf_config("tiny-llama"))
     assert qwen2.num_parameters == llama.num_parameters + 2 * 128  # q, k, v biases in 2 layers
-    assert (llama.vocab_size, llama.num_kv_heads, llama.head_dim) == (tiny.VOCAB_SIZE, 2, 16)
+    assert (llama.vocab_size, llama.num_kv_heads, llama.head_dim) == (builtin.VOCAB_SIZE, 2, 16)
     assert llama.tie_word_embeddings and llama.chat_template
     assert llama.fingerprint != qwen2.fingerprint
     assert llama == inspect_model(ModelSection(builtin="tiny-llama"), base_dir=tmp_path)
@@ -155,14 +155,14 @@ def test_builtin_models(tmp_path):
 
 def test_hf_directory(hf_dir):
     facts = inspect_model(ModelSection(path="tiny-llama"), base_dir=hf_dir.parent)
-    config = tiny.hf_config("tiny-llama")
+    config = builtin.hf_config("tiny-llama")
     assert facts.source == "path"
     assert facts.location == str(hf_dir)
     assert facts.format == "hf"
     assert facts.fingerprint == hashlib.sha256((hf_dir / "config.json").read_bytes()).hexdigest()
     assert facts.architecture == "LlamaForCausalLM"
     assert facts.model_type == "llama"
-    assert facts.num_parameters == tiny.param_count(config)  # read from the safetensors header
+    assert facts.num_parameters == builtin.param_count(config)  # read from the safetensors header
     assert facts.file_bytes == (hf_dir / "model.safetensors").stat().st_size
     assert (facts.context_length, facts.num_layers, facts.intermediate_size) == (1024, 2, 128)
     assert facts.tie_word_embeddings and facts.chat_template
@@ -201,7 +201,7 @@ def test_hf_bin_weights_count_from_the_config(hf_dir):
     (hf_dir / "model.safetensors").unlink()
     (hf_dir / "pytorch_model.bin").write_bytes(bytes(1000))
     facts = inspect_model(ModelSection(path=str(hf_dir)), base_dir=hf_dir)
-    assert facts.num_parameters == tiny.param_count(tiny.hf_config("tiny-llama"))
+    assert facts.num_parameters == builtin.param_count(builtin.hf_config("tiny-llama"))
     assert facts.file_bytes == 1000
 
 
@@ -213,7 +213,7 @@ def test_hf_corrupt_safetensors(hf_dir):
 
 
 def test_hf_every_problem_at_once(hf_dir):
-    config = tiny.hf_config("tiny-llama")
+    config = builtin.hf_config("tiny-llama")
     del config["hidden_size"], config["architectures"]
     (hf_dir / "config.json").write_text(json.dumps(config))
     (hf_dir / "model.safetensors").unlink()
@@ -236,7 +236,10 @@ def test_hf_malformed_config_names_line_and_column(hf_dir):
 
 
 def test_hf_architecture_that_is_not_a_causal_lm(hf_dir):
-    config = {**tiny.hf_config("tiny-llama"), "architectures": ["LlamaForSequenceClassification"]}
+    config = {
+        **builtin.hf_config("tiny-llama"),
+        "architectures": ["LlamaForSequenceClassification"],
+    }
     (hf_dir / "config.json").write_text(json.dumps(config))
     issue = only_issue(ModelSection(path=str(hf_dir)), hf_dir)
     assert "LlamaForSequenceClassification, not a causal language model" in issue.message
@@ -274,7 +277,7 @@ def test_hf_directory_over_fsspec_reads_only_config_json(hf_dir):
         fs.pipe(f"/remote-model/{name}", (hf_dir / name).read_bytes())
     facts = inspect_model(ModelSection(path="memory://remote-model"), base_dir=hf_dir)
     assert facts.location == "memory://remote-model"
-    assert facts.num_parameters == tiny.param_count(tiny.hf_config("tiny-llama"))
+    assert facts.num_parameters == builtin.param_count(builtin.hf_config("tiny-llama"))
     assert facts.file_bytes == (hf_dir / "model.safetensors").stat().st_size
     assert not facts.chat_template
 

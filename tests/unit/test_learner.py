@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rollout.engines.base import SamplingParams
-from rollout.engines.hf import HfEngine
+from rollout.engines.hf.engine import HfEngine
 from rollout.runtime.batch import RolloutBatch
 from rollout.runtime.learner import Learner, LearnerKnobs
 

@@ -13,11 +13,11 @@ import torch
 
 from rollout.config.model import ModelSection
 from rollout.engines.base import SamplingParams
-from rollout.engines.hf import HfEngine
+from rollout.engines.hf.engine import HfEngine
+from rollout.models import builtin
+from rollout.models.builtin_build import build_tiny
+from rollout.models.loading import apply_chat_template, load_model
 from rollout.planner.inspect_model import inspect_model
-from rollout.runtime.models import apply_chat_template, load_model
-from rollout.testing import tiny
-from rollout.testing.tiny_build import build_tiny
 
 
 def _load(section: ModelSection, base_dir: Path, *, dtype: str = "float32"):
@@ -31,21 +31,21 @@ def tiny_dir(tmp_path_factory) -> Path:
     return build_tiny("tiny-llama", tmp_path_factory.mktemp("models") / "tiny-llama")
 
 
-@pytest.mark.parametrize("name", tiny.TINY_MODELS)
+@pytest.mark.parametrize("name", builtin.TINY_MODELS)
 def test_builtin(name, rollout_cache):
     loaded = _load(ModelSection(builtin=name), Path.cwd(), dtype="float32")
-    config = tiny.hf_config(name)
+    config = builtin.hf_config(name)
     assert type(loaded.model).__name__ == config["architectures"][0]
     assert loaded.model.dtype == torch.float32
-    assert loaded.chat_template == tiny.CHAT_TEMPLATE
-    assert loaded.eos_token_ids == [tiny.IM_END_ID]
-    assert loaded.pad_token_id == tiny.ENDOFTEXT_ID
+    assert loaded.chat_template == builtin.CHAT_TEMPLATE
+    assert loaded.eos_token_ids == [builtin.IM_END_ID]
+    assert loaded.pad_token_id == builtin.ENDOFTEXT_ID
 
 
 def test_hf_directory_in_bfloat16(tiny_dir, tmp_path):
     loaded = _load(ModelSection(path=str(tiny_dir)), tmp_path, dtype="bfloat16")
     assert loaded.model.dtype == torch.bfloat16
-    assert len(loaded.tokenizer) == tiny.VOCAB_SIZE
+    assert len(loaded.tokenizer) == builtin.VOCAB_SIZE
 
 
 def test_chat_template_override_string_and_file(tiny_dir, tmp_path):
@@ -79,7 +79,7 @@ def test_pad_token_falls_back_to_eos(tiny_dir, tmp_path):
     del tokenizer_config["pad_token"]
     (model / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     loaded = _load(ModelSection(path=str(model)), tmp_path)
-    assert loaded.pad_token_id == loaded.tokenizer.pad_token_id == tiny.IM_END_ID
+    assert loaded.pad_token_id == loaded.tokenizer.pad_token_id == builtin.IM_END_ID
 
 
 def test_apply_chat_template(tiny_llama):

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from rollout.config.model import ModelSection
+from rollout.models import builtin
 from rollout.planner.inspect_model import inspect_model
 from rollout.planner.samples import SampleError, SampleRules
 from rollout.planner.tokenizer import load
 from rollout.runtime.offline_data import HfTextTokenizer, encode_split
-from rollout.testing import tiny
 
 FIELDS = {
     "prompt": "prompt",
@@ -69,14 +69,14 @@ def test_pair_is_chat_prompt_then_completion_and_end_of_turn(hf, tiny_llama):
     pair = rules(hf).pair(RECORDS[0])
     text = tiny_llama.tokenizer.decode(pair.prompt)
     assert text == "<|im_start|>user\nWhat is 12 + 7?<|im_end|>\n<|im_start|>assistant\n"
-    assert pair.chosen[-1] == pair.rejected[-1] == tiny.IM_END_ID
+    assert pair.chosen[-1] == pair.rejected[-1] == builtin.IM_END_ID
     assert tiny_llama.tokenizer.decode(pair.chosen[:-1]) == "19"
     assert pair.length == len(pair.prompt) + len(pair.rejected)
 
 
 def test_judged_needs_a_boolean_label(hf):
     good = rules(hf).judged({**RECORDS[0], "label": True})
-    assert good.desirable is True and good.completion[-1] == tiny.IM_END_ID
+    assert good.desirable is True and good.completion[-1] == builtin.IM_END_ID
     with pytest.raises(SampleError) as raised:
         rules(hf).judged({**RECORDS[0], "label": "yes"})
     assert raised.value.role == "label" and "'label' is 'yes', not a boolean" in str(raised.value)
@@ -144,7 +144,7 @@ def test_kto_split_pairs_each_prompt_with_the_next_completion(hf):
 
 def test_smollm2_planner_tokenizer_agrees_when_its_dense_copy_exists(tmp_path):
     """SmolLM2's transformers files (rollout's cache of its dequantized GGUF) as a model.path."""
-    from rollout.cache import cache_root
+    from rollout.models.cache import cache_root
 
     caches = (cache_root(), Path.home() / ".cache" / "rollout")  # tests point the first elsewhere
     found = sorted(path for cache in caches for path in (cache / "gguf").glob("*/tokenizer.json"))

@@ -121,7 +121,7 @@ def test_a_prompt_longer_than_max_prompt_tokens_names_record_length_limit_and_fi
 def test_the_planner_counts_what_the_worker_encodes(tiny_llama):
     """The trainer's encode (rollout.runtime.trainer): the chat template over one user turn,
     after the system prompt; without the template, the text with the tokenizer's special tokens."""
-    from rollout.runtime.models import apply_chat_template
+    from rollout.models.loading import apply_chat_template
 
     for prompt in (LONG, "héllo wörld 🙂 日本語", "  two  spaces \n"):
         for system_prompt in (None, "You are a calculator."):
@@ -239,17 +239,17 @@ def gguf_model(tmp_path, monkeypatch):
 
 def tokenizer_files(directory: Path) -> Path:
     """The tiny model's tokenizer as transformers saves one: what a worker's dense copy holds."""
-    from rollout.testing import tiny
-    from rollout.testing.tiny_build import tiny_tokenizer
+    from rollout.models import builtin
+    from rollout.models.builtin_build import tiny_tokenizer
 
     directory.mkdir(parents=True)
     tiny_tokenizer().save(str(directory / "tokenizer.json"))
-    endoftext, im_start, im_end = tiny.SPECIAL_TOKENS
+    endoftext, im_start, im_end = builtin.SPECIAL_TOKENS
     (directory / "tokenizer_config.json").write_text(
         json.dumps({"eos_token": im_end, "bos_token": im_start, "pad_token": endoftext})
     )
-    (directory / "chat_template.jinja").write_text(tiny.CHAT_TEMPLATE)
-    eos = tiny.hf_config("tiny-llama")["eos_token_id"]
+    (directory / "chat_template.jinja").write_text(builtin.CHAT_TEMPLATE)
+    eos = builtin.hf_config("tiny-llama")["eos_token_id"]
     (directory / "config.json").write_text(json.dumps({"eos_token_id": eos}))
     return directory
 
@@ -282,7 +282,7 @@ def test_a_gguf_model_is_counted_with_model_tokenizer(tmp_path, gguf_model):
 
 
 def test_the_planner_looks_where_the_worker_keeps_the_dense_copy(tmp_path, monkeypatch):
-    from rollout.runtime.models import dense_gguf_dir
+    from rollout.models.loading import dense_gguf_dir
 
     monkeypatch.setenv("ROLLOUT_CACHE", str(tmp_path))
     fingerprint = "0123456789abcdef" * 4

@@ -194,7 +194,7 @@ ON_RUNS_PATH = [
     "rollout/planner/lockfile.py",
     "rollout/storage/__init__.py",
     "rollout/runtime/worker.py",
-    "rollout/runtime/models.py",
+    "rollout/models/loading.py",
     "rollout/runtime/components.py",
 ]
 

@@ -33,7 +33,7 @@ TWO_H100 = LAPTOP.model_copy(
     update={"gpus": [GpuFacts(index=i, name="H100", memory_bytes=80 * GIB) for i in range(2)]}
 )
 
-# tiny-llama (rollout.testing.tiny): 2 layers, hidden 64, 4 heads of 16, 2 kv heads, MLP 128,
+# tiny-llama (rollout.models.builtin): 2 layers, hidden 64, 4 heads of 16, 2 kv heads, MLP 128,
 # vocab 512, tied embeddings.
 TINY_KV_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # keys and values x layers x kv heads x head_dim x fp32
 TINY_LINEAR = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128)  # q, k, v, o, gate, up, down
@@ -209,11 +209,11 @@ def test_kv_bytes_per_token_matches_what_the_model_caches(tiny_llama):
 
 def test_packed_weight_rule_mirrors_the_hf_engine(tiny_llama):
     """The planner's copy of the engine's packing rule: same constants, same bytes."""
-    from rollout.engines import hf
+    from rollout.engines.hf import packing
     from rollout.planner import memory
 
-    assert memory.PACK_MIN_NEW_TOKENS == hf.PACK_MIN_NEW_TOKENS
-    assert memory.PACK_MAX_BYTES == hf.PACK_MAX_BYTES
+    assert memory.PACK_MIN_NEW_TOKENS == packing.PACK_MIN_NEW_TOKENS
+    assert memory.PACK_MAX_BYTES == packing.PACK_MAX_BYTES
     model = tiny_llama.model
     packed = [
         getattr(getattr(layer, part), name).weight
@@ -229,7 +229,7 @@ def test_packed_weight_rule_mirrors_the_hf_engine(tiny_llama):
     assert packed_weight_bytes(facts, "float32", "cpu", 16) == expected
     for new_tokens in (8, 16):
         planned = packed_weight_bytes(facts, "float32", "cpu", new_tokens) > 0
-        assert planned == hf.should_pack(model, new_tokens)
+        assert planned == packing.should_pack(model, new_tokens)
 
 
 def test_explain_shows_the_engine_batch_kv_cache_and_memory(config_file, base_config):

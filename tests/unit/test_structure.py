@@ -21,15 +21,15 @@ PACKAGE = REPO / "rollout"
 ALLOWED = {
     "config": {"config", "errors"},
     "schema": {"config", "errors", "schema"},
-    # cache: the planner reads a GGUF model's tokenizer from the worker's dequantized copy.
+    # models: the builtin models' specs, GGUF headers and the cache path of a GGUF model's
+    # dequantized copy (whose tokenizer the planner reads), all torch-free.
     "planner": {
         "config",
         "plugins",
         "errors",
         "planner",
-        "testing",
+        "models",
         "harness",
-        "cache",
         "__init__",
     },
     "plugins": {"plugins", "errors", "planner", "__init__"},
@@ -56,9 +56,11 @@ ALLOWED = {
         "engines",
         "runtime",
         "storage",
-        "testing",
+        "models",
         "errors",
     },
+    # Models load from the plan's ModelFacts and the [model] section.
+    "models": {"models", "config", "planner"},
 }
 # The server composes a model, an engine and the run store's checkpoints, as a worker does.
 ALLOWED["serve"] = {
@@ -68,6 +70,7 @@ ALLOWED["serve"] = {
     "planner",
     "runtime",
     "storage",
+    "models",
     "errors",
     "inference",
 }

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from rollout.testing import tiny
-from rollout.testing.tiny_build import build_tiny, builtin_model_dir
+from rollout.models import builtin
+from rollout.models.builtin_build import build_tiny, builtin_model_dir
 
 BUILD_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
@@ -24,12 +24,12 @@ def tokenizer(tiny_llama):
 
 
 def test_vocabulary_and_special_tokens(tokenizer):
-    assert len(tokenizer) == tiny.VOCAB_SIZE
-    assert tokenizer.convert_tokens_to_ids(list(tiny.SPECIAL_TOKENS)) == [0, 1, 2]
-    config = tiny.hf_config("tiny-llama")
-    assert tokenizer.bos_token_id == config["bos_token_id"] == tiny.IM_START_ID
-    assert tokenizer.eos_token_id == config["eos_token_id"] == tiny.IM_END_ID
-    assert tokenizer.pad_token_id == config["pad_token_id"] == tiny.ENDOFTEXT_ID
+    assert len(tokenizer) == builtin.VOCAB_SIZE
+    assert tokenizer.convert_tokens_to_ids(list(builtin.SPECIAL_TOKENS)) == [0, 1, 2]
+    config = builtin.hf_config("tiny-llama")
+    assert tokenizer.bos_token_id == config["bos_token_id"] == builtin.IM_START_ID
+    assert tokenizer.eos_token_id == config["eos_token_id"] == builtin.IM_END_ID
+    assert tokenizer.pad_token_id == config["pad_token_id"] == builtin.ENDOFTEXT_ID
 
 
 @settings(max_examples=200, deadline=None)
@@ -37,7 +37,7 @@ def test_vocabulary_and_special_tokens(tokenizer):
 @example(text="What is 12 + 7? héllo wörld 🙂 日本語 e\u0301 \x00\r\n\t  two  spaces ")
 def test_any_text_round_trips(tokenizer, text):
     ids = tokenizer.encode(text, add_special_tokens=False)
-    assert all(0 <= i < tiny.VOCAB_SIZE for i in ids)
+    assert all(0 <= i < builtin.VOCAB_SIZE for i in ids)
     assert tokenizer.decode(ids) == text
 
 
@@ -57,7 +57,7 @@ def test_chat_template_renders(tokenizer):
 
 def test_config_json_is_the_spec(tmp_path):
     directory = build_tiny("tiny-qwen2", tmp_path / "qwen2")
-    assert json.loads((directory / "config.json").read_text()) == tiny.hf_config("tiny-qwen2")
+    assert json.loads((directory / "config.json").read_text()) == builtin.hf_config("tiny-qwen2")
 
 
 def test_two_builds_are_byte_identical(tmp_path, rollout_cache):

@@ -197,8 +197,8 @@ def test_vllm_engine_generates_and_takes_new_weights(rollout_cache, tiny_llama):
     import torch
 
     from rollout.engines.vllm import VllmEngine
-    from rollout.runtime.models import apply_chat_template
-    from rollout.testing.tiny_build import builtin_model_dir
+    from rollout.models.builtin_build import builtin_model_dir
+    from rollout.models.loading import apply_chat_template
 
     engine = VllmEngine(
         str(builtin_model_dir("tiny-llama")),

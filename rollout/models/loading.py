@@ -2,7 +2,7 @@
 
 The plan's ModelFacts say where the model is and in which format; the [model] section says which
 tokenizer and chat template override it. Everything comes from local files: builtin tiny models are
-built into a cache (rollout.testing.tiny_build), Hugging Face directories load from safetensors
+built into a cache (rollout.models.builtin_build), Hugging Face directories load from safetensors
 only, and GGUF files are dequantized by transformers into a dense, trainable model.
 """
 
@@ -17,8 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 from transformers.utils import logging as transformers_logging
 
-from rollout.cache import built_once
 from rollout.config.model import ModelSection
+from rollout.models.cache import built_once
 from rollout.planner.definition import ModelFacts
 
 
@@ -94,7 +94,7 @@ def apply_chat_template(
 def _weights_source(facts: ModelFacts) -> tuple[str, dict[str, Any]]:
     """The directory to call from_pretrained on, and the keyword arguments that pick the weights."""
     if facts.format == "builtin":
-        from rollout.testing.tiny_build import builtin_model_dir
+        from rollout.models.builtin_build import builtin_model_dir
 
         return str(builtin_model_dir(facts.location.removeprefix("builtin:"))), {
             "use_safetensors": True

@@ -1,4 +1,4 @@
-"""Materialize a builtin tiny model (rollout.testing.tiny) as a Hugging Face model directory.
+"""Materialize a builtin tiny model (rollout.models.builtin) as a Hugging Face model directory.
 
 The weights are random but deterministic (a fixed seed on a private generator), and the tokenizer is
 a byte-level BPE trained on a small corpus written here, so every process on every machine builds
@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from rollout.cache import built_once
-from rollout.testing import tiny
+from rollout.models import builtin
+from rollout.models.cache import built_once
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -54,12 +54,12 @@ CORPUS = _ENGLISH + _arithmetic()
 def build_tiny(name: str, directory: Path) -> Path:
     """Write the builtin model `name` into `directory` (created if needed) and return it.
 
-    Writes config.json (tiny.hf_config verbatim), model.safetensors and the tokenizer files
+    Writes config.json (builtin.hf_config verbatim), model.safetensors and the tokenizer files
     (tokenizer.json, tokenizer_config.json, chat_template.jinja). Two builds give identical bytes.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config = tiny.hf_config(name)
+    config = builtin.hf_config(name)
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     _save_weights(config, directory / "model.safetensors")
     build_tokenizer(model_max_length=config["max_position_embeddings"]).save_pretrained(directory)
@@ -67,7 +67,8 @@ def build_tiny(name: str, directory: Path) -> Path:
 
 
 def builtin_model_dir(name: str) -> Path:
-    """The cached directory of the builtin model `name`, built on first use (see rollout.cache)."""
+    """The cached directory of the builtin model `name`, built on first use (see
+    rollout.models.cache)."""
     return built_once(
         f"models/{name}-{_build_key(name)}", lambda directory: build_tiny(name, directory)
     )
@@ -77,13 +78,13 @@ def build_tokenizer(*, model_max_length: int) -> PreTrainedTokenizerFast:
     """The tiny byte-level BPE tokenizer (`tiny_tokenizer`), wrapped for transformers."""
     from transformers import PreTrainedTokenizerFast
 
-    endoftext, im_start, im_end = tiny.SPECIAL_TOKENS
+    endoftext, im_start, im_end = builtin.SPECIAL_TOKENS
     return PreTrainedTokenizerFast(
         tokenizer_object=tiny_tokenizer(),
         bos_token=im_start,
         eos_token=im_end,
         pad_token=endoftext,
-        chat_template=tiny.CHAT_TEMPLATE,
+        chat_template=builtin.CHAT_TEMPLATE,
         clean_up_tokenization_spaces=False,  # byte-level decoding must return the text exactly
         model_max_length=model_max_length,
     )
@@ -92,24 +93,24 @@ def build_tokenizer(*, model_max_length: int) -> PreTrainedTokenizerFast:
 def tiny_tokenizer() -> Tokenizer:
     """The tiny byte-level BPE tokenizer, as the `tokenizers` library's object.
 
-    Ids 0-2 are the special tokens of tiny.SPECIAL_TOKENS, then the 256 byte tokens (so any text
-    encodes), then merges learned from CORPUS up to exactly tiny.VOCAB_SIZE ids.
+    Ids 0-2 are the special tokens of builtin.SPECIAL_TOKENS, then the 256 byte tokens (so any text
+    encodes), then merges learned from CORPUS up to exactly builtin.VOCAB_SIZE ids.
     """
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=tiny.VOCAB_SIZE,
-        special_tokens=list(tiny.SPECIAL_TOKENS),
+        vocab_size=builtin.VOCAB_SIZE,
+        special_tokens=list(builtin.SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     # The trainer orders equally frequent pairs by their token ids, never by hash order, so the
     # merges and tokenizer.json are the same in every process (a test builds in two).
     bpe.train_from_iterator([CORPUS], trainer=trainer)
-    if bpe.get_vocab_size() != tiny.VOCAB_SIZE:
+    if bpe.get_vocab_size() != builtin.VOCAB_SIZE:
         raise RuntimeError(
-            f"the tiny tokenizer has {bpe.get_vocab_size()} ids, not {tiny.VOCAB_SIZE}: "
+            f"the tiny tokenizer has {bpe.get_vocab_size()} ids, not {builtin.VOCAB_SIZE}: "
             "CORPUS is too small to learn enough merges"
         )
     return bpe
@@ -146,7 +147,7 @@ def _save_weights(config: dict, path: Path) -> None:
 def _build_key(name: str) -> str:
     """A short hash of what decides the built bytes: the spec, and this module's source (the
     corpus, the seed, the initialization), so editing any of them builds afresh."""
-    spec = json.dumps(tiny.spec(name), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    spec = json.dumps(builtin.spec(name), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     digest = hashlib.sha256(spec.encode())
     digest.update(Path(__file__).read_bytes())
     return digest.hexdigest()[:16]
