@@ -82,7 +82,10 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def functions(path: Path):
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            yield node.end_lineno - node.lineno + 1, f"{path.relative_to(PACKAGE.parent)}:{node.name}"
+            yield (
+                node.end_lineno - node.lineno + 1,
+                f"{path.relative_to(PACKAGE.parent)}:{node.name}",
+            )
 
 
 def main() -> None:
@@ -93,12 +96,16 @@ def main() -> None:
     # Packages import their own __init__ implicitly; only edges between modules count.
     graph = {name: imported_modules(path, name, set(paths)) for name, path in paths.items()}
     loops = cycles(graph)
-    print(f"modules: {len(paths)}, lines: {sum(len(p.read_text().splitlines()) for p in paths.values())}")
+    print(
+        f"modules: {len(paths)}, lines: {sum(len(p.read_text().splitlines()) for p in paths.values())}"
+    )
     print(f"import cycles: {len(loops)}")
     for loop in loops:
         print("  " + " <-> ".join(loop))
     print(f"longest functions (top {top}):")
-    for length, where in sorted((f for p in paths.values() for f in functions(p)), reverse=True)[:top]:
+    for length, where in sorted((f for p in paths.values() for f in functions(p)), reverse=True)[
+        :top
+    ]:
         print(f"  {length:5d}  {where}")
     print(f"biggest modules (top {top}):")
     sizes = sorted(((len(p.read_text().splitlines()), n) for n, p in paths.items()), reverse=True)
