@@ -7,7 +7,6 @@ are the graph and the memory estimate built.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import math
@@ -24,6 +23,7 @@ from rollout.config.algorithm import ONLINE_KINDS, PAIRED_PREFERENCE_KINDS
 from rollout.config.root import RunConfig
 from rollout.config.rules import needed_fields
 from rollout.errors import ConfigError, Issue, PlanError, RolloutError
+from rollout.fingerprints import sha256_file
 from rollout.planner.definition import (
     DataFacts,
     Derived,
@@ -35,7 +35,6 @@ from rollout.planner.definition import (
     Seeds,
     Versions,
 )
-from rollout.planner.fingerprint import sha256_file
 from rollout.planner.hardware import probe_hardware
 from rollout.planner.inspect_data import inspect_data
 from rollout.planner.inspect_model import inspect_model
@@ -51,6 +50,7 @@ from rollout.planner.reward_model import resolve_reward_model
 from rollout.planner.runnable import run_refusals
 from rollout.planner.trackers import tracker_issues
 from rollout.plugins.resolve import installed_version
+from rollout.seeds import derive_seed
 
 T = TypeVar("T")
 
@@ -543,12 +543,6 @@ def _seeds(root: int, world_size: int) -> Seeds:
         sampling=derive_seed(root, "sampling"),
         per_rank=[derive_seed(root, f"rank{rank}") for rank in range(world_size)],
     )
-
-
-def derive_seed(root: int, purpose: str) -> int:
-    """A stable 31-bit seed for one purpose, independent of every other purpose's stream."""
-    digest = hashlib.sha256(f"{root}:{purpose}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 def current_versions() -> Versions:

@@ -20,9 +20,10 @@ from typing import Any, Literal
 
 from rollout.config.model import ModelSection
 from rollout.errors import Issue, PlanError
+from rollout.files import is_url, open_binary
+from rollout.fingerprints import sha256_bytes, sha256_file
 from rollout.planner import locations
 from rollout.planner.definition import ModelFacts
-from rollout.planner.fingerprint import is_url, open_binary, sha256_bytes, sha256_file
 from rollout.planner.gguf import GGUFArray, file_type_name, read_gguf_header
 from rollout.testing import tiny
 

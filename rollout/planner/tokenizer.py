@@ -23,9 +23,9 @@ from typing import Any
 
 from rollout.cache import cache_root
 from rollout.config.model import ModelSection
+from rollout.files import is_url
 from rollout.planner import locations
 from rollout.planner.definition import ModelFacts
-from rollout.planner.fingerprint import is_url
 from rollout.planner.gguf import read_gguf_header
 
 _SPECIAL_TOKENS = (

@@ -29,8 +29,8 @@ from types import ModuleType, TracebackType
 from typing import Any
 
 from rollout.errors import Issue, PlanError
+from rollout.fingerprints import sha256_bytes, sha256_file, short_hash
 from rollout.planner.definition import PluginIdentity
-from rollout.planner.fingerprint import sha256_bytes, sha256_file
 from rollout.plugins.probe import Probe
 
 _FILE_REF = re.compile(r"^(?P<file>[^:]+\.py):(?P<attr>[A-Za-z_][A-Za-z0-9_.]*)$")
@@ -622,7 +622,3 @@ def _file_changes(path: Path, planned: str) -> list[str]:
     if now == planned:
         return []
     return [f"{path} changed since planning (sha256 {short_hash(planned)} → {short_hash(now)})"]
-
-
-def short_hash(digest: str) -> str:
-    return digest[:8] + "…"

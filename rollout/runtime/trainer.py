@@ -25,7 +25,6 @@ from rollout.config.rules import kl_in_reward
 from rollout.engines.base import Engine, SamplingParams
 from rollout.engines.hf import HfEngine
 from rollout.harness.reward_runner import RewardRunner
-from rollout.planner.builder import derive_seed
 from rollout.runtime.actor import Actor, PromptFormat
 from rollout.runtime.checkpoint import Extra
 from rollout.runtime.components import (
@@ -42,6 +41,7 @@ from rollout.runtime.recording import record_means, record_metrics
 from rollout.runtime.run_state import RunState
 from rollout.runtime.shaping import TokenAdvantages
 from rollout.runtime.worker import WorkerContext
+from rollout.seeds import derive_seed
 from rollout.storage.writer import BackgroundWriter
 
 log = logging.getLogger("rollout.trainer")

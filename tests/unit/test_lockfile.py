@@ -13,6 +13,7 @@ import pytest
 
 from rollout.config import read_config_file, validate_config
 from rollout.errors import LockfileError
+from rollout.fingerprints import sha256_bytes, sha256_file
 from rollout.harness.rewards import BUILTIN_REWARDS
 from rollout.planner.definition import (
     FORMAT_VERSION,
@@ -29,7 +30,6 @@ from rollout.planner.definition import (
     Seeds,
     Versions,
 )
-from rollout.planner.fingerprint import sha256_bytes, sha256_file
 from rollout.planner.lockfile import canonical_json, read_plan, stale_reasons, write_plan
 from rollout.plugins import installed_version, resolve_plugin
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from rollout.errors import PlanError
+from rollout.fingerprints import sha256_file
 from rollout.harness.rewards import BUILTIN_REWARDS, numeric_match, regex_match
-from rollout.planner.fingerprint import sha256_file
 from rollout.plugins import (
     ResolvedPlugin,
     check_reward_signature,
