@@ -387,7 +387,9 @@ def _read_plan(path: Path) -> Plan:
         raise RolloutError(
             Issue("--checkpoint", f"the run's plan {path} is missing", hint=_CHECKPOINT_HINT)
         )
-    return Plan.from_file(str(path), check_fresh=False)
+    from rollout.planner.lockfile import read_plan
+
+    return read_plan(path, check_fresh=False)
 
 
 def _from_plan(plan: Plan) -> _Defaults:

@@ -31,7 +31,6 @@ from rollout.planner.definition import (
     HardwareFacts,
     ModelFacts,
     Plan,
-    PluginIdentity,
     Seeds,
     Versions,
 )
@@ -49,7 +48,7 @@ from rollout.planner.placement import build_graph
 from rollout.planner.reward_model import resolve_reward_model
 from rollout.planner.runnable import run_refusals
 from rollout.planner.trackers import tracker_issues
-from rollout.plugins.resolve import installed_version
+from rollout.plugins.identity import PluginIdentity, installed_version
 from rollout.seeds import derive_seed
 
 T = TypeVar("T")

@@ -15,6 +15,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from rollout.config.root import RunConfig
 from rollout.config.rules import run_rules
+from rollout.plugins.identity import PluginIdentity
 
 FORMAT_VERSION = 1
 
@@ -35,25 +36,6 @@ DirectPath = Annotated[str, AfterValidator(_no_parent_steps)]
 
 class Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class PluginIdentity(Frozen):
-    """Who a plugin reference resolved to, precisely enough to notice when it changes."""
-
-    used_by: str = Field(description="Config path that references it, e.g. 'rewards[0].fn'.")
-    ref: str = Field(description="The reference as written in the config.")
-    kind: Literal["builtin", "module", "file", "entry_point"]
-    module: str = Field(description="Module name (or, for file plugins, the file's module name).")
-    qualname: str = Field(description="Attribute path of the callable inside the module.")
-    path: str | None = Field(default=None, description="Absolute source file, when known.")
-    sha256: str | None = Field(
-        default=None,
-        description="sha256 of the source file: file plugins, modules outside any "
-        "installed distribution, and editable installs (whose version stays put while code changes).",
-    )
-    distribution: str | None = Field(default=None, description="Installed distribution name.")
-    version: str | None = Field(default=None, description="Installed distribution version.")
-    signature: str = Field(description="The callable's signature, as inspect renders it.")
 
 
 class ModelFacts(Frozen):
@@ -227,16 +209,3 @@ class Plan(Frozen):
         if problems:
             raise ValueError("; ".join(problems))
         return self
-
-    @classmethod
-    def from_file(cls, path: str, *, check_fresh: bool = True) -> Plan:
-        """Read plan.lock, refusing one that was edited, is stale, or has an unknown format."""
-        from rollout.planner.lockfile import read_plan
-
-        return read_plan(path, check_fresh=check_fresh)
-
-    def write(self, path: str) -> None:
-        """Write this plan as canonical JSON with its sha256 (atomically)."""
-        from rollout.planner.lockfile import write_plan
-
-        write_plan(self, path)

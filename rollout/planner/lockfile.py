@@ -27,7 +27,7 @@ from rollout.errors import Issue, LockfileError
 from rollout.files import FileRefused, is_url, read_capped
 from rollout.fingerprints import sha256_bytes, sha256_file, short_hash
 from rollout.planner.definition import FORMAT_VERSION, Plan, Versions
-from rollout.plugins.resolve import VersionLookup, installed_version, plugin_changes
+from rollout.plugins.identity import VersionLookup, installed_version, plugin_changes
 
 FORMAT = "rollout.plan"
 

@@ -1,4 +1,4 @@
-"""Resolve plugin references to callables, fingerprint them, and notice when they change.
+"""Resolve plugin references to callables, and record who they resolved to (identity.py).
 
 A reference is one of:
 
@@ -7,7 +7,7 @@ A reference is one of:
     ./rewards.py:score         a file, relative to the config's directory (or absolute)
 
 Resolving imports the plugin (planning is the place to find out it does not import); checking a
-plan for staleness does not: it compares distribution versions and file hashes only. Every failure
+plan for staleness does not (rollout.plugins.identity.plugin_changes). Every failure
 is a PlanError with one Issue at the config path that holds the reference, without traceback text.
 """
 
@@ -18,7 +18,6 @@ import importlib
 import importlib.metadata
 import importlib.util
 import inspect
-import json
 import re
 import sys
 import traceback
@@ -26,17 +25,20 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType, TracebackType
-from typing import Any
+from typing import Any, Literal
 
 from rollout.errors import Issue, PlanError
-from rollout.fingerprints import sha256_bytes, sha256_file, short_hash
-from rollout.planner.definition import PluginIdentity
+from rollout.fingerprints import sha256_bytes
+from rollout.plugins.identity import (
+    PluginIdentity,
+    builtin_identity,
+    file_identity,
+    module_identity,
+)
 from rollout.plugins.probe import Probe
 
 _FILE_REF = re.compile(r"^(?P<file>[^:]+\.py):(?P<attr>[A-Za-z_][A-Za-z0-9_.]*)$")
 _MODULE_REF = re.compile(r"^(?P<module>[A-Za-z_][\w.]*):(?P<attr>[A-Za-z_][A-Za-z0-9_.]*)$")
-
-VersionLookup = Callable[[str], str | None]
 
 
 @dataclass(frozen=True)
@@ -88,18 +90,7 @@ def import_probe(
 
 
 def _resolve_builtin(ref: str, fn: Callable[..., Any], used_by: str) -> ResolvedPlugin:
-    identity = PluginIdentity(
-        used_by=used_by,
-        ref=ref,
-        kind="builtin",
-        module=fn.__module__,
-        qualname=fn.__qualname__,
-        path=_source_file(fn, sys.modules[fn.__module__]),
-        distribution="rollout",
-        version=installed_version("rollout"),
-        signature=_signature_text(fn),
-    )
-    return ResolvedPlugin(fn, identity)
+    return ResolvedPlugin(fn, builtin_identity(fn, ref=ref, used_by=used_by))
 
 
 def _resolve_module(
@@ -108,27 +99,20 @@ def _resolve_module(
     attr: str,
     used_by: str,
     *,
-    kind: str,
+    kind: Literal["module", "entry_point"],
     distribution: str | None = None,
 ) -> ResolvedPlugin:
     module = _import_module(module_name, ref, used_by)
     fn = _get_callable(module, attr, label=module_name, ref=ref, used_by=used_by)
-    path = _source_file(fn, module)
-    distribution = distribution or _distribution_of(module_name)
-    # Outside any distribution there is no version to compare, and an editable install keeps
-    # its version while its code changes: the source file's bytes stand in.
-    by_content = distribution is None or _is_editable(distribution)
-    identity = PluginIdentity(
-        used_by=used_by,
+    identity = module_identity(
+        fn,
+        module,
         ref=ref,
+        used_by=used_by,
         kind=kind,
-        module=module_name,
+        module_name=module_name,
         qualname=attr,
-        path=path,
-        sha256=sha256_file(path) if by_content and path else None,
         distribution=distribution,
-        version=installed_version(distribution) if distribution else None,
-        signature=_signature_text(fn),
     )
     return ResolvedPlugin(fn, identity)
 
@@ -175,17 +159,7 @@ def _resolve_file(ref: str, base_dir: Path, file: str, attr: str, used_by: str) 
         )
     module = _exec_file(path, ref, used_by)
     fn = _get_callable(module, attr, label=file, ref=ref, used_by=used_by)
-    identity = PluginIdentity(
-        used_by=used_by,
-        ref=ref,
-        kind="file",
-        module=path.stem,
-        qualname=attr,
-        path=str(path),
-        sha256=sha256_file(path),
-        signature=_signature_text(fn),
-    )
-    return ResolvedPlugin(fn, identity)
+    return ResolvedPlugin(fn, file_identity(fn, path, ref=ref, used_by=used_by, qualname=attr))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,56 +331,11 @@ def _error(used_by: str, *, ref: str, message: str, hint: str) -> PlanError:
 
 
 # ---------------------------------------------------------------------------------------------
-# identity details
-
-
-def installed_version(distribution: str) -> str | None:
-    """The installed version of a distribution, or None when it is not installed."""
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _distribution_of(module_name: str) -> str | None:
-    """The one installed distribution that provides this top-level package, if exactly one does.
-
-    Several (a namespace package such as ``google``) leave the version ambiguous; the module is
-    then fingerprinted by its file like a module outside any distribution.
-    """
-    owners = set(importlib.metadata.packages_distributions().get(module_name.split(".")[0], []))
-    return owners.pop() if len(owners) == 1 else None
-
-
-def _is_editable(distribution: str) -> bool:
-    """Installed with ``pip install -e`` (PEP 660 records it in direct_url.json)."""
-    try:
-        text = importlib.metadata.distribution(distribution).read_text("direct_url.json")
-        return bool(text and json.loads(text).get("dir_info", {}).get("editable"))
-    except (importlib.metadata.PackageNotFoundError, ValueError, AttributeError):
-        return False
+# entry points
 
 
 def _dist_name(entry_point: importlib.metadata.EntryPoint) -> str | None:
     return entry_point.dist.name if entry_point.dist else None
-
-
-def _source_file(fn: Callable[..., Any], module: ModuleType) -> str | None:
-    # The function's own file when it is re-exported from elsewhere; the module's otherwise
-    # (callable instances, functools.partial and C functions have no source file of their own).
-    try:
-        found = inspect.getsourcefile(inspect.unwrap(fn))
-    except TypeError:
-        found = None
-    found = found or getattr(module, "__file__", None)
-    return str(Path(found).resolve()) if found else None
-
-
-def _signature_text(fn: Callable[..., Any]) -> str:
-    try:
-        return str(inspect.signature(fn))
-    except (TypeError, ValueError):  # some C callables carry no signature
-        return "(...)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -591,34 +520,3 @@ _PER_COMPLETION = _PerCompletion()
 
 def _shorten(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-# ---------------------------------------------------------------------------------------------
-# freshness: has what a plan resolved changed since? (never imports the plugin)
-
-
-def plugin_changes(
-    identity: PluginIdentity, *, version_of: VersionLookup = installed_version
-) -> list[Issue]:
-    """What changed since planning: the distribution's version, or the source file's bytes."""
-    changes = []
-    if identity.distribution:
-        now = version_of(identity.distribution)
-        if now is None:
-            changes.append(
-                f"{identity.distribution} is no longer installed (was {identity.version})"
-            )
-        elif now != identity.version:
-            changes.append(f"{identity.distribution} {identity.version} → {now}")
-    if identity.sha256 and identity.path:
-        changes.extend(_file_changes(Path(identity.path), identity.sha256))
-    return [Issue(identity.used_by, change) for change in changes]
-
-
-def _file_changes(path: Path, planned: str) -> list[str]:
-    if not path.is_file():
-        return [f"file {path} no longer exists"]
-    now = sha256_file(path)
-    if now == planned:
-        return []
-    return [f"{path} changed since planning (sha256 {short_hash(planned)} → {short_hash(now)})"]

@@ -32,7 +32,7 @@ ALLOWED = {
         "cache",
         "__init__",
     },
-    "plugins": {"plugins", "errors", "planner", "__init__"},
+    "plugins": {"plugins", "errors"},
     "storage": {"storage", "config", "errors"},
     "executor": {"executor", "planner", "storage", "config", "errors"},
     "algorithms": {"algorithms"},
