@@ -203,10 +203,10 @@ def _reward_fields(config: RunConfig, data: list[DataFacts]) -> dict[str, set[st
 def _resolve_rewards(
     config: RunConfig, base: Path, fields: dict[str, set[str]], issues: list[Issue]
 ) -> list[PluginIdentity]:
-    from rollout.harness.reward_runner import accepted_keywords
+    from rollout.harness.reward_contract import accepted_keywords, check_reward_signature
     from rollout.harness.rewards import BUILTIN_REWARDS
     from rollout.plugins.probe import probe_imports
-    from rollout.plugins.resolve import check_reward_signature, import_probe, resolve_plugin
+    from rollout.plugins.resolve import import_probe, resolve_plugin
 
     # A plugin whose import hangs or crashes the interpreter is found in a child process first.
     probes = [

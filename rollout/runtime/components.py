@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rollout.harness.reward_runner import RewardFunction, describe
+from rollout.harness.reward_contract import RewardFunction, describe
 from rollout.harness.rewards import BUILTIN_REWARDS
 from rollout.planner.definition import Plan
 from rollout.planner.reward_model import model_directory_of
