@@ -65,6 +65,25 @@ def resolve_plugin(
     return _resolve_entry_point(ref, group, builtins, used_by)
 
 
+def load_plugin(identity: PluginIdentity) -> Callable[..., Any]:
+    """Import the callable a planned ``identity`` names, without resolving or identifying it again.
+
+    The worker's way back to what the planner resolved: the host has checked that the identity
+    still holds (plugin_changes) before launch. A failure is a PlanError at ``identity.used_by``,
+    worded as when resolving.
+    """
+    ref, used_by = identity.ref, identity.used_by
+    if identity.kind == "file":
+        assert identity.path is not None  # a file plugin's identity always names its file
+        match = _FILE_REF.match(ref)
+        module = _exec_file(Path(identity.path), ref, used_by)
+        label = match["file"] if match else identity.path
+    else:
+        module = _import_module(identity.module, ref, used_by)
+        label = identity.module
+    return _get_callable(module, identity.qualname, label=label, ref=ref, used_by=used_by)
+
+
 def import_probe(
     ref: str,
     *,

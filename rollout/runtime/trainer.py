@@ -258,8 +258,8 @@ def _build_roles(ctx: WorkerContext) -> Roles:
 def _inside_reward(ctx: WorkerContext) -> Callable[[str], Any]:
     """Notes, for the host, which reward plugin this worker is running (see runtime/activity)."""
     labels = {
-        spec.metric_name: f"reward {spec.metric_name!r} (rewards[{i}]: {spec.fn or spec.model})"
-        for i, spec in enumerate(ctx.plan.config.rewards)
+        record.name: f"reward {record.name!r} (rewards[{i}]: {record.plugin.ref})"
+        for i, record in enumerate(ctx.plan.rewards)
     }
 
     def guard(name: str) -> Any:

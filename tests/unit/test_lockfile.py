@@ -21,6 +21,7 @@ from rollout.planner.definition import (
     DataFacts,
     Derived,
     Edge,
+    FunctionRewardRecord,
     Graph,
     HardwareFacts,
     MemoryEstimate,
@@ -67,6 +68,14 @@ def build_plan(base: Path, reward: str = "numeric_match", **reward_settings: obj
     identity = resolve_plugin(
         reward, base_dir=base, used_by="rewards[0].fn", builtins=BUILTIN_REWARDS
     ).identity
+    spec = config.rewards[0]
+    record = FunctionRewardRecord(
+        name=spec.metric_name,
+        weight=spec.weight,
+        options=spec.options,
+        timeout_s=spec.timeout_s,
+        plugin=identity,
+    )
     return Plan(
         run_id="run-20250101-000000-abcd",
         created_at="2025-01-01T00:00:00+00:00",
@@ -88,7 +97,7 @@ def build_plan(base: Path, reward: str = "numeric_match", **reward_settings: obj
             total_steps=100,
             max_sequence_length=768,
         ),
-        plugins=[identity],
+        rewards=[record],
         model=ModelFacts(
             source="builtin",
             location="builtin:tiny-llama",
@@ -207,7 +216,9 @@ def test_equal_plans_give_identical_bytes(tmp_path, plan, lock):
 def test_layout_and_hash(plan, lock):
     text = lock.read_text(encoding="utf-8")
     assert text.endswith("}\n")
-    assert text.startswith('{\n  "format": "rollout.plan",\n  "format_version": 1,\n')
+    assert text.startswith(
+        f'{{\n  "format": "rollout.plan",\n  "format_version": {FORMAT_VERSION},\n'
+    )
     document = json.loads(text)
     assert sorted(document) == ["format", "format_version", "plan", "sha256"]
     body = {key: document[key] for key in ("format", "format_version", "plan")}
@@ -314,6 +325,26 @@ def test_older_format_version_asks_to_plan_again(plan, lock):
     (issue,) = refusal(lock).issues
     assert "older" in issue.message
     assert issue.hint == f"re-run `rollout plan --config {plan.config_path} -o {lock}`"
+
+
+def test_a_lock_of_the_previous_format_asks_to_plan_again(plan, lock):
+    """Format 1 kept `plugins` (identities only); format 2 keeps one record per reward."""
+    content = plan.model_dump(mode="json")
+    content["plugins"] = [reward.pop("plugin") for reward in content.pop("rewards")]
+    forge(lock, content, format_version=1)
+    (issue,) = refusal(lock).issues
+    assert "uses plan format 1, older than this rollout" in issue.message
+    assert f"reads plan format {FORMAT_VERSION}" in issue.message
+    assert issue.hint == f"re-run `rollout plan --config {plan.config_path} -o {lock}`"
+
+
+def test_a_reward_without_its_record_is_refused(plan, lock):
+    content = plan.model_dump(mode="json")
+    content["rewards"] = []
+    forge(lock, content)
+    (issue,) = refusal(lock).issues
+    assert "does not hold a valid plan" in issue.message
+    assert "rewards must hold one record per config.rewards entry" in issue.message
 
 
 def test_invalid_plan_content_is_refused_even_with_a_good_hash(plan, lock):
