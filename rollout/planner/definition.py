@@ -3,8 +3,8 @@
 A Plan is what `rollout plan` computes and plan.lock stores: the resolved config with every default,
 one resolved record per reward (what the worker calls, and the identity that notices a change),
 facts about the model, data and hardware, the actor/learner graph, the memory estimate, versions
-and seeds. Building it (builder.py), writing and verifying it
-(lockfile.py) and explaining it (explain.py) are separate modules; this one only defines it.
+and seeds. Building it (builder.py), writing and verifying it (lockfile.py) and explaining it
+(explain.py) are separate modules; this one only defines it, and imports none of them.
 """
 
 from __future__ import annotations

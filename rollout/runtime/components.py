@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rollout.harness.reward_contract import RewardFunction, describe
-from rollout.planner.definition import Plan, RewardRecord
+from rollout.planner.definition import ModelRewardRecord, Plan, RewardRecord
 from rollout.plugins.resolve import load_plugin
 from rollout.runtime.data import PromptStream, load_records
 
@@ -97,7 +97,7 @@ def build_reward_functions(plan: Plan) -> list[RewardFunction]:
 
 
 def _reward_callable(record: RewardRecord, device: str) -> Callable[..., Any]:
-    if record.kind == "model":
+    if isinstance(record, ModelRewardRecord):
         from rollout.harness.model_reward import ModelReward
 
         return ModelReward(Path(record.directory), device=device)
