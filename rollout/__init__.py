@@ -2,10 +2,11 @@
 
 Library use mirrors the CLI:
 
-    from rollout import load_config, plan, RolloutError
+    from rollout import load_config, plan, read_plan, write_plan, RolloutError
     config = load_config("run.toml")            # validate: schema + cross-field rules
     the_plan = plan("run.toml")                 # resolve plugins, model, data, hardware
-    the_plan = Plan.from_file("plan.lock")      # read and verify a frozen plan
+    write_plan(the_plan, "plan.lock")           # freeze it: canonical JSON with its sha256
+    the_plan = read_plan("plan.lock")           # read and verify a frozen plan
     record = run("plan.lock")                   # execute it; blocks; returns the run's record
 
 Every user mistake raises RolloutError (a ConfigError, PlanError or LockfileError) whose
@@ -35,6 +36,7 @@ __version__ = _version()
 
 if TYPE_CHECKING:
     from rollout.planner import Plan
+    from rollout.planner.lockfile import read_plan, write_plan
 
 
 def plan(config: str | Any, **kwargs: Any) -> Plan:
@@ -49,17 +51,24 @@ def run(plan: str | Any) -> Any:
     from rollout.executor.launch import run_plan
 
     if not isinstance(plan, str | os.PathLike):
+        from rollout.planner.lockfile import write_plan
+
         path = Path(plan.derived.run_dir) / "plan.lock"
-        plan.write(str(path))
+        write_plan(plan, path)
         plan = path
     return run_plan(plan)
 
 
 def __getattr__(name: str) -> Any:
-    if name == "Plan":  # lazy: importing rollout stays cheap for `rollout validate`
+    # Lazy: importing rollout stays cheap for `rollout validate`.
+    if name == "Plan":
         from rollout.planner import Plan
 
         return Plan
+    if name in ("read_plan", "write_plan"):
+        from rollout.planner import lockfile
+
+        return getattr(lockfile, name)
     raise AttributeError(name)
 
 
@@ -74,5 +83,7 @@ __all__ = [
     "__version__",
     "load_config",
     "plan",
+    "read_plan",
     "run",
+    "write_plan",
 ]

@@ -8,8 +8,9 @@ these the same way, in words, before reading a byte. The kind of file is checked
 it is opened (opening some devices has effects of its own) and again on the opened descriptor, in
 case the path was swapped in between.
 
-Standard library only: config, planner and inference all import it. Callers turn `FileRefused`
-into an Issue naming their own option or config key.
+Standard library only (fsspec is imported only when a remote location is opened): config,
+planner, runtime and inference all import it. Callers turn `FileRefused` into an Issue naming their
+own option or config key.
 """
 
 from __future__ import annotations
@@ -81,6 +82,24 @@ def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
     except BaseException:
         os.close(fd)
         raise
+
+
+def is_url(location: str | os.PathLike[str]) -> bool:
+    """A remote location (``s3://...``, ``hf://...``); ``file://`` paths are local."""
+    return "://" in str(location) and not str(location).startswith("file://")
+
+
+def open_binary(location: str | os.PathLike[str]) -> BinaryIO:
+    """Open a local path or an fsspec URL for reading bytes.
+
+    A local path must be a regular file: a FIFO or a device (/dev/zero) raises FileRefused (an
+    OSError) instead of blocking or reading forever. Remote objects cannot be either.
+    """
+    if is_url(location):
+        import fsspec  # only remote locations pay for fsspec
+
+        return fsspec.open(str(location), "rb").open()
+    return open_regular(str(location).removeprefix("file://"))
 
 
 def read_capped(path: str | os.PathLike[str], *, limit: int, what: str) -> bytes:

@@ -46,10 +46,11 @@ def plan(
         )
         raise typer.Exit(2)
     from rollout.planner.builder import build_plan
+    from rollout.planner.lockfile import write_plan
 
     with user_errors(fmt.value):
         the_plan = build_plan(local_path(config), overrides=set_ or [])
-        the_plan.write(str(output))
+        write_plan(the_plan, output)
     if fmt is Format.json:
         stdout.print_json(
             json.dumps(
@@ -76,11 +77,11 @@ def show(
     path: Annotated[str, typer.Argument(help="A plan.lock file.")] = "plan.lock",
 ) -> None:
     """Explain a plan.lock: roles, placement, memory, plugins, versions."""
-    from rollout.planner.definition import Plan
     from rollout.planner.explain import explain as render
+    from rollout.planner.lockfile import read_plan
 
     with user_errors():
-        the_plan = Plan.from_file(str(local_path(path, "plan.lock")), check_fresh=False)
+        the_plan = read_plan(local_path(path, "plan.lock"), check_fresh=False)
     render(the_plan, stdout)
 
 

@@ -77,15 +77,16 @@ def _plan_path(plan: Path | None, config: Path | None, overrides: list[str]) -> 
     if plan is not None:
         return plan
     from rollout.planner.builder import build_plan
+    from rollout.planner.lockfile import write_plan
 
     the_plan = build_plan(config, overrides=overrides)
     path = Path(the_plan.derived.run_dir) / "plan.lock"
-    the_plan.write(str(path))
+    write_plan(the_plan, path)
     stdout.print(f"planned {the_plan.run_id} -> {path}")
     return path
 
 
 def _store_of(plan_path: Path) -> str:
-    from rollout.planner.definition import Plan
+    from rollout.planner.lockfile import read_plan
 
-    return Plan.from_file(str(plan_path), check_fresh=False).derived.store
+    return read_plan(plan_path, check_fresh=False).derived.store

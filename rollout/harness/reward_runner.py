@@ -1,10 +1,10 @@
 """Run reward plugins on a batch: in order, each under a time limit, every result checked.
 
-A reward is called as ``fn(prompts, completions, **fields, **options)`` and returns one float per
-completion (see rewards.py). The runner passes a function only the dataset fields it names (all of
-them if it takes ``**kwargs``), plus its options, and accepts nothing but one finite number per
-completion. Anything else is a RewardError naming the plugin, the sample and the problem: a score
-is never broadcast, coerced or replaced, since a silently wrong reward trains the wrong thing.
+Each function is called as reward_contract.py says (the one statement of the reward call
+convention, which the planner checks signatures against): given only the dataset fields it names
+(all of them if it takes ``**kwargs``), plus its options, and accepting nothing but one finite
+number per completion. Anything else is a RewardError naming the plugin, the sample and the
+problem.
 """
 
 from __future__ import annotations
@@ -13,41 +13,19 @@ import concurrent.futures
 import contextlib
 import inspect
 import math
-import numbers
 import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any
 
-_QUOTE_CHARS = 60
-
-
-class RewardError(Exception):
-    """A reward plugin failed on a batch. reward: its name; sample: the index, when one is to blame."""
-
-    def __init__(self, message: str, *, reward: str, sample: int | None = None):
-        super().__init__(message)
-        self.reward = reward
-        self.sample = sample
-
-
-@dataclass(frozen=True)
-class RewardFunction:
-    """A reward plugin ready to call; build it with ``describe``.
-
-    accepts: the keyword parameters ``fn`` names, or None when it takes ``**kwargs`` (then every
-    dataset field is passed to it).
-    """
-
-    name: str
-    fn: Callable[..., Any]
-    weight: float
-    options: Mapping[str, Any]
-    timeout_s: float
-    accepts: frozenset[str] | None
+from rollout.harness.reward_contract import (
+    RewardError,
+    RewardFunction,
+    call_keywords,
+    checked_scores,
+)
 
 
 @dataclass(frozen=True)
@@ -56,20 +34,6 @@ class RewardScores:
 
     total: list[float]
     per_function: dict[str, list[float]]
-
-
-def describe(
-    name: str, fn: Callable[..., Any], weight: float, options: Mapping[str, Any], timeout_s: float
-) -> RewardFunction:
-    """A RewardFunction for ``fn``, its signature read once here rather than on every batch."""
-    return RewardFunction(
-        name=name,
-        fn=fn,
-        weight=weight,
-        options=MappingProxyType(dict(options)),
-        timeout_s=timeout_s,
-        accepts=accepted_keywords(fn),
-    )
 
 
 class RewardRunner:
@@ -125,15 +89,11 @@ def _run(
     columns: Mapping[str, list[Any]],
 ) -> list[float]:
     # Fresh lists for each call, so a plugin that mutates its arguments cannot change what the
-    # next one sees. Options win over a data field of the same name: the config is more specific.
-    fields = {
-        key: list(values)
-        for key, values in columns.items()
-        if function.accepts is None or key in function.accepts
-    }
-    kwargs = {**fields, **function.options}
+    # next one sees.
+    fields = {key: list(values) for key, values in columns.items()}
+    kwargs = call_keywords(function.accepts, fields, function.options)
     result = _call(function, list(prompts), list(completions), kwargs)
-    return _checked(function.name, result, completions)
+    return checked_scores(function.name, result, completions)
 
 
 def _call(
@@ -169,60 +129,6 @@ def _call(
     return future.result()
 
 
-def _checked(name: str, result: Any, completions: list[str]) -> list[float]:
-    """``result`` as floats, if it is one finite number per completion; else a RewardError."""
-    if isinstance(result, (str, bytes)) or not isinstance(result, Sequence):
-        raise RewardError(
-            f"reward {name!r} returned {type(result).__name__}, not a list: return a list with "
-            "one float per completion",
-            reward=name,
-        )
-    if len(result) != len(completions):
-        raise RewardError(
-            f"reward {name!r} returned {len(result)} values for {len(completions)} completions: "
-            "return one float per completion",
-            reward=name,
-        )
-    for i, (value, completion) in enumerate(zip(result, completions, strict=True)):
-        problem = _not_a_score(value)
-        if problem:
-            raise RewardError(
-                f"reward {name!r} returned {problem} for sample {i} (completion "
-                f"{_quote(completion)}): every score must be a finite number",
-                reward=name,
-                sample=i,
-            )
-    return [float(value) for value in result]
-
-
-def _not_a_score(value: Any) -> str | None:
-    """What is wrong with ``value`` as a score, or None if nothing is."""
-    # bool is a number to Python, but True as a reward is more likely a mistake than a 1.0.
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return f"{type(value).__name__} {_shorten(repr(value))}" if value is not None else "None"
-    if not math.isfinite(value):
-        return repr(float(value))
-    return None
-
-
-def accepted_keywords(fn: Callable[..., Any]) -> frozenset[str] | None:
-    """The dataset fields a reward is passed: the keyword parameters it names after the first
-    two, or None when it takes **kwargs (then every field)."""
-    try:
-        parameters = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return None  # no signature to read (some C callables): pass every field, let the call say
-    if any(p.kind is p.VAR_KEYWORD for p in parameters):
-        return None
-    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    # prompts and completions fill the first two positions; the rest can be filled by keyword.
-    return frozenset(
-        p.name
-        for p in parameters
-        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p not in positional[:2]
-    )
-
-
 def _columns(rows: list[Mapping[str, Any]]) -> dict[str, list[Any]]:
     """[{field: value}, ...] -> {field: [value, ...]}; every row must have the same fields."""
     if not rows:
@@ -243,11 +149,3 @@ def _plugin_frame(error: BaseException, fn: Callable[..., Any]) -> str | None:
         f for f in traceback.extract_tb(error.__traceback__) if f.filename == code.co_filename
     ]
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
-
-
-def _quote(text: str) -> str:
-    return repr(_shorten(text))
-
-
-def _shorten(text: str) -> str:
-    return text if len(text) <= _QUOTE_CHARS else text[: _QUOTE_CHARS - 1] + "…"

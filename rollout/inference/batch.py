@@ -34,11 +34,11 @@ from pydantic import ValidationError
 from rollout.config.generation import GenerationSection
 from rollout.config.validate import translate_errors
 from rollout.errors import ConfigError, Issue, RolloutError
+from rollout.files import is_url
 from rollout.inference.model_choice import ModelChoice, choose_model
 from rollout.inference.output import OutputFile, finished_output, open_output
 from rollout.inference.prompts import PromptFile, file_format, prompt_kind, read_prompts
-from rollout.planner.builder import derive_seed
-from rollout.planner.fingerprint import is_url
+from rollout.seeds import derive_seed
 
 DEFAULT_BATCH_SIZE = {"hf": 32, "vllm": 256}
 """Completions decoded at once when neither --batch-size nor generation.max_batch_size says.

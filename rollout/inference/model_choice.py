@@ -36,8 +36,8 @@ from rollout.config.rules import model_source_is_one
 from rollout.config.secrets import check_no_inline_credentials
 from rollout.config.validate import translate_errors
 from rollout.errors import ConfigError, Issue, PlanError, RolloutError
+from rollout.files import is_url
 from rollout.planner.definition import ModelFacts, Plan
-from rollout.planner.fingerprint import is_url
 from rollout.planner.inspect_model import inspect_model
 
 PLAN_FILE = "plan.lock"
@@ -387,7 +387,9 @@ def _read_plan(path: Path) -> Plan:
         raise RolloutError(
             Issue("--checkpoint", f"the run's plan {path} is missing", hint=_CHECKPOINT_HINT)
         )
-    return Plan.from_file(str(path), check_fresh=False)
+    from rollout.planner.lockfile import read_plan
+
+    return read_plan(path, check_fresh=False)
 
 
 def _from_plan(plan: Plan) -> _Defaults:

@@ -14,9 +14,9 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from rollout.errors import Issue, RolloutError
-from rollout.files import refusal
+from rollout.files import is_url, refusal
+from rollout.fingerprints import sha256_file
 from rollout.planner import locations
-from rollout.planner.fingerprint import is_url, sha256_file
 from rollout.planner.inspect_data import scan_jsonl, scan_parquet
 
 MAX_LISTED = 10

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from rollout.planner.fingerprint import open_binary
+from rollout.files import open_binary
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)

@@ -7,7 +7,6 @@ are the graph and the memory estimate built.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import math
@@ -21,21 +20,24 @@ from typing import Any, TypeVar
 from rollout import __version__
 from rollout.config import load_config
 from rollout.config.algorithm import ONLINE_KINDS, PAIRED_PREFERENCE_KINDS
+from rollout.config.rewards import RewardSpec
 from rollout.config.root import RunConfig
 from rollout.config.rules import needed_fields
 from rollout.errors import ConfigError, Issue, PlanError, RolloutError
+from rollout.fingerprints import sha256_file
 from rollout.planner.definition import (
     DataFacts,
     Derived,
+    FunctionRewardRecord,
     Graph,
     HardwareFacts,
     ModelFacts,
+    ModelRewardRecord,
     Plan,
-    PluginIdentity,
+    RewardRecord,
     Seeds,
     Versions,
 )
-from rollout.planner.fingerprint import sha256_file
 from rollout.planner.hardware import probe_hardware
 from rollout.planner.inspect_data import inspect_data
 from rollout.planner.inspect_model import inspect_model
@@ -47,10 +49,11 @@ from rollout.planner.memory import (
     vllm_share_issues,
 )
 from rollout.planner.placement import build_graph
-from rollout.planner.reward_model import resolve_reward_model
+from rollout.planner.reward_model import model_directory_of, resolve_reward_model
 from rollout.planner.runnable import run_refusals
 from rollout.planner.trackers import tracker_issues
-from rollout.plugins.resolve import installed_version
+from rollout.plugins.identity import PluginIdentity, installed_version
+from rollout.seeds import derive_seed
 
 T = TypeVar("T")
 
@@ -92,7 +95,7 @@ def build_plan(
     model = _collect(issues, lambda: inspect_model(run_config.model, base_dir=base))
     data = _inspect_all_data(run_config, base, issues, model)
     fields = _reward_fields(run_config, data)
-    plugins = _resolve_rewards(run_config, base, fields, issues)
+    rewards = _resolve_rewards(run_config, base, fields, issues)
     device = _resolve_device(run_config, hardware, issues)
     if model is not None:
         issues.extend(_context_issues(run_config, model))
@@ -128,7 +131,7 @@ def build_plan(
         base_dir=str(base),
         config=run_config,
         derived=derived,
-        plugins=plugins,
+        rewards=rewards,
         model=model,
         data=data,
         hardware=hardware,
@@ -203,11 +206,12 @@ def _reward_fields(config: RunConfig, data: list[DataFacts]) -> dict[str, set[st
 
 def _resolve_rewards(
     config: RunConfig, base: Path, fields: dict[str, set[str]], issues: list[Issue]
-) -> list[PluginIdentity]:
-    from rollout.harness.reward_runner import accepted_keywords
+) -> list[RewardRecord]:
+    """One record per reward, each resolved here once: the worker calls what the records say."""
+    from rollout.harness.reward_contract import accepted_keywords, check_reward_signature
     from rollout.harness.rewards import BUILTIN_REWARDS
     from rollout.plugins.probe import probe_imports
-    from rollout.plugins.resolve import check_reward_signature, import_probe, resolve_plugin
+    from rollout.plugins.resolve import import_probe, resolve_plugin
 
     # A plugin whose import hangs or crashes the interpreter is found in a child process first.
     probes = [
@@ -217,19 +221,16 @@ def _resolve_rewards(
     ]
     failed = probe_imports([p for p in probes if p is not None])
     issues.extend(failed.values())
-    identities = []
+    records: list[RewardRecord] = []
     # The fields some reward reads; None once one takes **kwargs (every field). A trained
     # reward model scores (prompt, completion) alone.
     readers: frozenset[str] | None = frozenset()
     for i, spec in enumerate(config.rewards):
         if spec.model is not None:
             found = _collect(
-                issues,
-                lambda s=spec, u=f"rewards[{i}].model": resolve_reward_model(
-                    s.model, base_dir=base, used_by=u
-                ),
+                issues, lambda s=spec, u=f"rewards[{i}].model": _reward_model(s, base, u)
             )
-            identities.extend([found] if found is not None else [])
+            records.extend([found] if found is not None else [])
             continue
         if f"rewards[{i}].fn" in failed:
             readers = None  # cannot know what it reads
@@ -243,7 +244,7 @@ def _resolve_rewards(
         )
         if resolved is None:
             continue
-        identities.append(resolved.identity)
+        records.append(FunctionRewardRecord(**_reward_settings(spec, resolved.identity)))
         accepted = accepted_keywords(resolved.fn)
         readers = None if readers is None or accepted is None else readers | accepted
         issues.extend(
@@ -258,7 +259,26 @@ def _resolve_rewards(
         )
     if readers is not None and config.algorithm.kind in ONLINE_KINDS:
         issues.extend(_unread_roles(config, readers))
-    return identities
+    return records
+
+
+def _reward_model(spec: RewardSpec, base: Path, used_by: str) -> ModelRewardRecord:
+    """The reward model ``spec.model`` names, frozen: its directory and its weights' identity."""
+    assert spec.model is not None
+    identity = resolve_reward_model(spec.model, base_dir=base, used_by=used_by)
+    directory = str(model_directory_of(identity))
+    return ModelRewardRecord(**_reward_settings(spec, identity), directory=directory)
+
+
+def _reward_settings(spec: RewardSpec, identity: PluginIdentity) -> dict[str, Any]:
+    """What a reward's record holds besides its kind: how the run calls it, and what it is."""
+    return {
+        "name": spec.metric_name,
+        "weight": spec.weight,
+        "options": spec.options,
+        "timeout_s": spec.timeout_s,
+        "plugin": identity,
+    }
 
 
 def _unread_roles(config: RunConfig, readers: frozenset[str]) -> list[Issue]:
@@ -543,12 +563,6 @@ def _seeds(root: int, world_size: int) -> Seeds:
         sampling=derive_seed(root, "sampling"),
         per_rank=[derive_seed(root, f"rank{rank}") for rank in range(world_size)],
     )
-
-
-def derive_seed(root: int, purpose: str) -> int:
-    """A stable 31-bit seed for one purpose, independent of every other purpose's stream."""
-    digest = hashlib.sha256(f"{root}:{purpose}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 def current_versions() -> Versions:

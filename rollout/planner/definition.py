@@ -1,22 +1,25 @@
 """The plan: frozen data, nothing else.
 
 A Plan is what `rollout plan` computes and plan.lock stores: the resolved config with every default,
-the identity of each plugin, facts about the model, data and hardware, the actor/learner graph,
-the memory estimate, versions and seeds. Building it (builder.py), writing and verifying it
-(lockfile.py) and explaining it (explain.py) are separate modules; this one only defines it.
+one resolved record per reward (what the worker calls, and the identity that notices a change),
+facts about the model, data and hardware, the actor/learner graph, the memory estimate, versions
+and seeds. Building it (builder.py), writing and verifying it (lockfile.py) and explaining it
+(explain.py) are separate modules; this one only defines it, and imports none of them.
 """
 
 from __future__ import annotations
 
 from pathlib import PurePath
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from rollout.config.root import RunConfig
 from rollout.config.rules import run_rules
+from rollout.plugins.identity import PluginIdentity
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: `rewards` (one resolved record per reward) replaced `plugins`."""
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 """A run id names a directory and a store row: no '/', no whitespace, never '.' or '..'."""
@@ -37,23 +40,32 @@ class Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class PluginIdentity(Frozen):
-    """Who a plugin reference resolved to, precisely enough to notice when it changes."""
-
-    used_by: str = Field(description="Config path that references it, e.g. 'rewards[0].fn'.")
-    ref: str = Field(description="The reference as written in the config.")
-    kind: Literal["builtin", "module", "file", "entry_point"]
-    module: str = Field(description="Module name (or, for file plugins, the file's module name).")
-    qualname: str = Field(description="Attribute path of the callable inside the module.")
-    path: str | None = Field(default=None, description="Absolute source file, when known.")
-    sha256: str | None = Field(
-        default=None,
-        description="sha256 of the source file: file plugins, modules outside any "
-        "installed distribution, and editable installs (whose version stays put while code changes).",
+class _Reward(Frozen):
+    name: str = Field(description="Name in metrics: the config's name, else the function's.")
+    weight: float = Field(description="Weight of this reward in the weighted sum.")
+    options: dict[str, Any] = Field(description="Keyword arguments passed on every call.")
+    timeout_s: float = Field(gt=0, description="Longest one call may take.")
+    plugin: PluginIdentity = Field(
+        description="What the reference resolved to, precisely enough to notice a change."
     )
-    distribution: str | None = Field(default=None, description="Installed distribution name.")
-    version: str | None = Field(default=None, description="Installed distribution version.")
-    signature: str = Field(description="The callable's signature, as inspect renders it.")
+
+
+class FunctionRewardRecord(_Reward):
+    """A reward function (`rewards[i].fn`): the worker imports what `plugin` names."""
+
+    kind: Literal["function"] = "function"
+
+
+class ModelRewardRecord(_Reward):
+    """A trained reward model (`rewards[i].model`), frozen at plan time: `plugin` is its weights."""
+
+    kind: Literal["model"] = "model"
+    directory: str = Field(description="The Hugging Face directory the run scores with.")
+
+
+RewardRecord = Annotated[FunctionRewardRecord | ModelRewardRecord, Field(discriminator="kind")]
+"""One reward as the run calls it, resolved once by the planner: the worker builds its reward
+functions from these records, never from the config again."""
 
 
 class ModelFacts(Frozen):
@@ -201,7 +213,7 @@ class Plan(Frozen):
     base_dir: str = Field(description="Directory relative input paths were resolved against.")
     config: RunConfig = Field(description="The resolved config, every default filled in.")
     derived: Derived
-    plugins: list[PluginIdentity]
+    rewards: list[RewardRecord] = Field(description="One record per config.rewards entry.")
     model: ModelFacts
     data: list[DataFacts]
     hardware: HardwareFacts
@@ -224,19 +236,13 @@ class Plan(Frozen):
             problems.append("seeds.per_rank must hold one seed per rank")
         if PurePath(self.derived.run_dir).name != self.run_id:
             problems.append("derived.run_dir must end in the run id")
+        if len(self.rewards) != len(self.config.rewards):
+            problems.append("rewards must hold one record per config.rewards entry")
         if problems:
             raise ValueError("; ".join(problems))
         return self
 
-    @classmethod
-    def from_file(cls, path: str, *, check_fresh: bool = True) -> Plan:
-        """Read plan.lock, refusing one that was edited, is stale, or has an unknown format."""
-        from rollout.planner.lockfile import read_plan
-
-        return read_plan(path, check_fresh=check_fresh)
-
-    def write(self, path: str) -> None:
-        """Write this plan as canonical JSON with its sha256 (atomically)."""
-        from rollout.planner.lockfile import write_plan
-
-        write_plan(self, path)
+    @property
+    def plugins(self) -> list[PluginIdentity]:
+        """The identity of every plugin the run calls: what freshness checks and explain read."""
+        return [reward.plugin for reward in self.rewards]

@@ -21,10 +21,10 @@ from urllib.parse import urlsplit
 from rollout.config.data import DataSource
 from rollout.config.plain import deeper_than
 from rollout.errors import Issue, PlanError
-from rollout.files import refusal
+from rollout.files import is_url, open_binary, refusal
+from rollout.fingerprints import sha256_file
 from rollout.planner import locations
 from rollout.planner.definition import DataFacts
-from rollout.planner.fingerprint import is_url, open_binary, sha256_file
 from rollout.planner.inspect_samples import RecordProblem
 
 MAX_ISSUES_PER_FILE = 10

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout.errors import Issue, PlanError
-from rollout.planner.fingerprint import is_url
+from rollout.files import is_url
 
 
 def resolve(location: str, base_dir: Path) -> str:

@@ -24,10 +24,10 @@ from pydantic import ValidationError
 
 from rollout.config.plain import deeper_than
 from rollout.errors import Issue, LockfileError
-from rollout.files import FileRefused, read_capped
+from rollout.files import FileRefused, is_url, read_capped
+from rollout.fingerprints import sha256_bytes, sha256_file, short_hash
 from rollout.planner.definition import FORMAT_VERSION, Plan, Versions
-from rollout.planner.fingerprint import is_url, sha256_bytes, sha256_file
-from rollout.plugins.resolve import VersionLookup, installed_version, plugin_changes, short_hash
+from rollout.plugins.identity import VersionLookup, installed_version, plugin_changes
 
 FORMAT = "rollout.plan"
 

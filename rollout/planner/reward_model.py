@@ -13,9 +13,9 @@ import re
 from pathlib import Path
 
 from rollout.errors import Issue, PlanError
+from rollout.fingerprints import sha256_file
 from rollout.planner import locations
-from rollout.planner.definition import PluginIdentity
-from rollout.planner.fingerprint import sha256_file
+from rollout.plugins.identity import PluginIdentity
 
 _STEP = re.compile(r"step-(\d+)")
 _COMPLETE = "COMPLETE"  # rollout.runtime.checkpoint writes it last into every finished checkpoint

@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 
 from rollout.config.root import RunConfig
 from rollout.errors import Issue
+from rollout.files import is_url
 from rollout.planner.definition import Graph
-from rollout.planner.fingerprint import is_url
 from rollout.planner.locations import filesystem_package
 
 Check = Callable[[RunConfig, Graph | None], Iterator[Issue]]

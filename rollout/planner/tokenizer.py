@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from rollout.config.model import ModelSection
+from rollout.files import is_url
 from rollout.models.cache import cache_root
 from rollout.models.gguf import read_gguf_header
 from rollout.planner import locations
 from rollout.planner.definition import ModelFacts
-from rollout.planner.fingerprint import is_url
 
 _SPECIAL_TOKENS = (
     "bos_token",

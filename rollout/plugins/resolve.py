@@ -1,4 +1,4 @@
-"""Resolve plugin references to callables, fingerprint them, and notice when they change.
+"""Resolve plugin references to callables, and record who they resolved to (identity.py).
 
 A reference is one of:
 
@@ -7,7 +7,7 @@ A reference is one of:
     ./rewards.py:score         a file, relative to the config's directory (or absolute)
 
 Resolving imports the plugin (planning is the place to find out it does not import); checking a
-plan for staleness does not: it compares distribution versions and file hashes only. Every failure
+plan for staleness does not (rollout.plugins.identity.plugin_changes). Every failure
 is a PlanError with one Issue at the config path that holds the reference, without traceback text.
 """
 
@@ -18,7 +18,6 @@ import importlib
 import importlib.metadata
 import importlib.util
 import inspect
-import json
 import re
 import sys
 import traceback
@@ -26,17 +25,20 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType, TracebackType
-from typing import Any
+from typing import Any, Literal
 
 from rollout.errors import Issue, PlanError
-from rollout.planner.definition import PluginIdentity
-from rollout.planner.fingerprint import sha256_bytes, sha256_file
+from rollout.fingerprints import sha256_bytes
+from rollout.plugins.identity import (
+    PluginIdentity,
+    builtin_identity,
+    file_identity,
+    module_identity,
+)
 from rollout.plugins.probe import Probe
 
 _FILE_REF = re.compile(r"^(?P<file>[^:]+\.py):(?P<attr>[A-Za-z_][A-Za-z0-9_.]*)$")
 _MODULE_REF = re.compile(r"^(?P<module>[A-Za-z_][\w.]*):(?P<attr>[A-Za-z_][A-Za-z0-9_.]*)$")
-
-VersionLookup = Callable[[str], str | None]
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,25 @@ def resolve_plugin(
     if ref in builtins:
         return _resolve_builtin(ref, builtins[ref], used_by)
     return _resolve_entry_point(ref, group, builtins, used_by)
+
+
+def load_plugin(identity: PluginIdentity) -> Callable[..., Any]:
+    """Import the callable a planned ``identity`` names, without resolving or identifying it again.
+
+    The worker's way back to what the planner resolved: the host has checked that the identity
+    still holds (plugin_changes) before launch. A failure is a PlanError at ``identity.used_by``,
+    worded as when resolving.
+    """
+    ref, used_by = identity.ref, identity.used_by
+    if identity.kind == "file":
+        assert identity.path is not None  # a file plugin's identity always names its file
+        match = _FILE_REF.match(ref)
+        module = _exec_file(Path(identity.path), ref, used_by)
+        label = match["file"] if match else identity.path
+    else:
+        module = _import_module(identity.module, ref, used_by)
+        label = identity.module
+    return _get_callable(module, identity.qualname, label=label, ref=ref, used_by=used_by)
 
 
 def import_probe(
@@ -88,18 +109,7 @@ def import_probe(
 
 
 def _resolve_builtin(ref: str, fn: Callable[..., Any], used_by: str) -> ResolvedPlugin:
-    identity = PluginIdentity(
-        used_by=used_by,
-        ref=ref,
-        kind="builtin",
-        module=fn.__module__,
-        qualname=fn.__qualname__,
-        path=_source_file(fn, sys.modules[fn.__module__]),
-        distribution="rollout",
-        version=installed_version("rollout"),
-        signature=_signature_text(fn),
-    )
-    return ResolvedPlugin(fn, identity)
+    return ResolvedPlugin(fn, builtin_identity(fn, ref=ref, used_by=used_by))
 
 
 def _resolve_module(
@@ -108,27 +118,20 @@ def _resolve_module(
     attr: str,
     used_by: str,
     *,
-    kind: str,
+    kind: Literal["module", "entry_point"],
     distribution: str | None = None,
 ) -> ResolvedPlugin:
     module = _import_module(module_name, ref, used_by)
     fn = _get_callable(module, attr, label=module_name, ref=ref, used_by=used_by)
-    path = _source_file(fn, module)
-    distribution = distribution or _distribution_of(module_name)
-    # Outside any distribution there is no version to compare, and an editable install keeps
-    # its version while its code changes: the source file's bytes stand in.
-    by_content = distribution is None or _is_editable(distribution)
-    identity = PluginIdentity(
-        used_by=used_by,
+    identity = module_identity(
+        fn,
+        module,
         ref=ref,
+        used_by=used_by,
         kind=kind,
-        module=module_name,
+        module_name=module_name,
         qualname=attr,
-        path=path,
-        sha256=sha256_file(path) if by_content and path else None,
         distribution=distribution,
-        version=installed_version(distribution) if distribution else None,
-        signature=_signature_text(fn),
     )
     return ResolvedPlugin(fn, identity)
 
@@ -175,17 +178,7 @@ def _resolve_file(ref: str, base_dir: Path, file: str, attr: str, used_by: str) 
         )
     module = _exec_file(path, ref, used_by)
     fn = _get_callable(module, attr, label=file, ref=ref, used_by=used_by)
-    identity = PluginIdentity(
-        used_by=used_by,
-        ref=ref,
-        kind="file",
-        module=path.stem,
-        qualname=attr,
-        path=str(path),
-        sha256=sha256_file(path),
-        signature=_signature_text(fn),
-    )
-    return ResolvedPlugin(fn, identity)
+    return ResolvedPlugin(fn, file_identity(fn, path, ref=ref, used_by=used_by, qualname=attr))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,272 +350,8 @@ def _error(used_by: str, *, ref: str, message: str, hint: str) -> PlanError:
 
 
 # ---------------------------------------------------------------------------------------------
-# identity details
-
-
-def installed_version(distribution: str) -> str | None:
-    """The installed version of a distribution, or None when it is not installed."""
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _distribution_of(module_name: str) -> str | None:
-    """The one installed distribution that provides this top-level package, if exactly one does.
-
-    Several (a namespace package such as ``google``) leave the version ambiguous; the module is
-    then fingerprinted by its file like a module outside any distribution.
-    """
-    owners = set(importlib.metadata.packages_distributions().get(module_name.split(".")[0], []))
-    return owners.pop() if len(owners) == 1 else None
-
-
-def _is_editable(distribution: str) -> bool:
-    """Installed with ``pip install -e`` (PEP 660 records it in direct_url.json)."""
-    try:
-        text = importlib.metadata.distribution(distribution).read_text("direct_url.json")
-        return bool(text and json.loads(text).get("dir_info", {}).get("editable"))
-    except (importlib.metadata.PackageNotFoundError, ValueError, AttributeError):
-        return False
+# entry points
 
 
 def _dist_name(entry_point: importlib.metadata.EntryPoint) -> str | None:
     return entry_point.dist.name if entry_point.dist else None
-
-
-def _source_file(fn: Callable[..., Any], module: ModuleType) -> str | None:
-    # The function's own file when it is re-exported from elsewhere; the module's otherwise
-    # (callable instances, functools.partial and C functions have no source file of their own).
-    try:
-        found = inspect.getsourcefile(inspect.unwrap(fn))
-    except TypeError:
-        found = None
-    found = found or getattr(module, "__file__", None)
-    return str(Path(found).resolve()) if found else None
-
-
-def _signature_text(fn: Callable[..., Any]) -> str:
-    try:
-        return str(inspect.signature(fn))
-    except (TypeError, ValueError):  # some C callables carry no signature
-        return "(...)"
-
-
-# ---------------------------------------------------------------------------------------------
-# checking a reward's signature against the call the run makes
-
-
-def check_reward_signature(
-    fn: Callable[..., Any],
-    *,
-    options: Mapping[str, Any],
-    fields: set[str],
-    used_by: str,
-    ref: str | None = None,
-    eval_fields: set[str] | None = None,
-) -> list[Issue]:
-    """Problems with the call the run makes: ``fn(prompts, completions, **passed, **options)``.
-
-    The call rollout.harness.reward_runner makes: ``passed`` holds the record fields (and mapped
-    roles) that ``fn`` names as parameters after its first two, or every field when it takes
-    ``**kwargs``; every option is passed. fields: the training data's; eval_fields: the evaluation
-    data's, if there is any (its completions are scored too). ref: the reference as written.
-    """
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return []  # nothing to check against; a bad call then fails at the first step
-    call = _RewardCall(fn, signature, used_by, ref)
-    if not call.takes_two_positional():
-        return [
-            call.issue(
-                used_by,
-                f"{call.name}{signature} cannot be called with two positional arguments",
-                hint="a reward takes (prompts, completions, **kwargs) and returns one float per "
-                "completion",
-            )
-        ]
-    splits = {"the data": fields}
-    if eval_fields is not None:
-        splits["the eval data"] = eval_fields
-    issues = [call.unknown_option(key, options) for key in options if call.rejects(key)]
-    for parameter in call.required():
-        lacking = [data for data, found in splits.items() if parameter not in found]
-        if parameter not in options and lacking:
-            issues.append(call.unsatisfied(parameter, splits[lacking[0]], data=lacking[0]))
-    if issues:
-        return issues
-    for data, found in splits.items():
-        problem = call.twice(options, found, data) or call.unbound(options, found)
-        if problem is not None:
-            return [problem]
-    return []
-
-
-class _RewardCall:
-    """A reward function's parameters, seen from the call rollout.harness.reward_runner makes."""
-
-    def __init__(
-        self, fn: Callable[..., Any], signature: inspect.Signature, used_by: str, ref: str | None
-    ):
-        self.signature = signature
-        self.name = getattr(fn, "__name__", used_by)
-        self.used_by = used_by
-        self.prefix = used_by.rpartition(".")[0] or used_by
-        self.ref = ref
-        self.parameters = list(signature.parameters.values())
-        self.positional = [
-            p for p in self.parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-        # prompts and completions fill the first two positions (or *args).
-        self.slots = self.positional[:2]
-        # Parameters after those that a keyword (an option or a field) can fill.
-        self.keywords = {
-            p.name: p
-            for p in self.parameters
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p not in self.slots
-        }
-        self.takes_any = any(p.kind is p.VAR_KEYWORD for p in self.parameters)
-
-    def takes_two_positional(self) -> bool:
-        """prompts and completions fit, and no other parameter must be given positionally."""
-        if len(self.positional) < 2 and not any(
-            p.kind is p.VAR_POSITIONAL for p in self.parameters
-        ):
-            return False
-        return not any(
-            p.kind is p.POSITIONAL_ONLY and p.default is p.empty for p in self.positional[2:]
-        )
-
-    def rejects(self, key: str) -> bool:
-        """An option the function has no keyword parameter for (a slot's name is not one)."""
-        return key not in self.keywords and not self.takes_any and key not in self._slot_names()
-
-    def required(self) -> list[str]:
-        return [p.name for p in self.keywords.values() if p.default is p.empty]
-
-    def passed(self, options: Mapping[str, Any], fields: set[str]) -> dict[str, Any]:
-        """The keyword arguments of the call: fields (as the lists they are) and options."""
-        names = sorted(f for f in fields if self.takes_any or f in self.keywords)
-        return {**dict.fromkeys(names, _PER_COMPLETION), **options}
-
-    def text(self, options: Mapping[str, Any], fields: set[str]) -> str:
-        """The call as it will be made: score(prompts, completions, answer=[...], scale=2)."""
-        arguments = ["prompts", "completions"]
-        arguments += [f"{key}={value!r}" for key, value in self.passed(options, fields).items()]
-        return _shorten(f"{self.name}({', '.join(arguments)})", 300)
-
-    def twice(self, options: Mapping[str, Any], fields: set[str], data: str) -> Issue | None:
-        """A parameter that takes prompts or completions and is also given by keyword."""
-        for slot, role in zip(self.slots, ("prompts", "completions"), strict=False):
-            if slot.kind is not slot.POSITIONAL_OR_KEYWORD:
-                continue
-            if slot.name in options:
-                source, fix = f"the option {slot.name!r}", "rename the option, or "
-            elif self.takes_any and slot.name in fields:
-                source, fix = f"the field {slot.name!r} of {data}", ""
-            else:
-                continue
-            names = ", ".join(p.name for p in self.slots)
-            return self.issue(
-                self.used_by,
-                f"{self.name}{self.signature} cannot take the call the run makes, "
-                f"{self.text(options, fields)}: {slot.name!r} would get two values, the "
-                f"{role} by position and {source} by keyword",
-                hint=f"{fix}make the first two parameters positional-only "
-                f"({self.name}({names}, /, ...)) or name them prompts and completions",
-            )
-        return None
-
-    def unbound(self, options: Mapping[str, Any], fields: set[str]) -> Issue | None:
-        """Any other way the call would fail, as Python itself would report it."""
-        try:
-            self.signature.bind(_PER_COMPLETION, _PER_COMPLETION, **self.passed(options, fields))
-        except TypeError as exc:
-            return self.issue(
-                self.used_by,
-                f"{self.name}{self.signature} cannot take the call the run makes, "
-                f"{self.text(options, fields)}: {exc}",
-                hint="a reward takes (prompts, completions, **kwargs): add **kwargs, or a "
-                "parameter for each keyword of the call",
-            )
-        return None
-
-    def unknown_option(self, key: str, options: Mapping[str, Any]) -> Issue:
-        accepted = ", ".join(self.keywords) or "none"
-        return Issue(
-            f"{self.prefix}.options.{key}",
-            f"{self.name}{self.signature} has no parameter {key!r}, and the run passes the "
-            f"option as {key}={_shorten(repr(options[key]), 60)}",
-            hint=_did_you_mean(key, self.keywords)
-            or f"the parameters it accepts: {accepted}; add a parameter {key!r} or **kwargs to "
-            f"{self.name}, or remove the option",
-        )
-
-    def unsatisfied(self, parameter: str, fields: set[str], *, data: str) -> Issue:
-        present = ", ".join(sorted(fields)) or "none"
-        return self.issue(
-            self.used_by,
-            f"{self.name}() requires {parameter!r}, which is neither an option nor a field of "
-            f"{data}",
-            hint=f"set {self.prefix}.options.{parameter}, or use data with a {parameter!r} field "
-            f"({data} has: {present})",
-        )
-
-    def issue(self, path: str, message: str, *, hint: str) -> Issue:
-        if self.ref is None:
-            return Issue(path, message, hint=hint)
-        return Issue(path, message, value=self.ref, hint=hint)
-
-    def _slot_names(self) -> set[str]:
-        return {p.name for p in self.slots if p.kind is p.POSITIONAL_OR_KEYWORD}
-
-
-class _PerCompletion:
-    """Stands for a list with one value per completion, in a call's description."""
-
-    def __repr__(self) -> str:
-        return "[...]"
-
-
-_PER_COMPLETION = _PerCompletion()
-
-
-def _shorten(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-# ---------------------------------------------------------------------------------------------
-# freshness: has what a plan resolved changed since? (never imports the plugin)
-
-
-def plugin_changes(
-    identity: PluginIdentity, *, version_of: VersionLookup = installed_version
-) -> list[Issue]:
-    """What changed since planning: the distribution's version, or the source file's bytes."""
-    changes = []
-    if identity.distribution:
-        now = version_of(identity.distribution)
-        if now is None:
-            changes.append(
-                f"{identity.distribution} is no longer installed (was {identity.version})"
-            )
-        elif now != identity.version:
-            changes.append(f"{identity.distribution} {identity.version} → {now}")
-    if identity.sha256 and identity.path:
-        changes.extend(_file_changes(Path(identity.path), identity.sha256))
-    return [Issue(identity.used_by, change) for change in changes]
-
-
-def _file_changes(path: Path, planned: str) -> list[str]:
-    if not path.is_file():
-        return [f"file {path} no longer exists"]
-    now = sha256_file(path)
-    if now == planned:
-        return []
-    return [f"{path} changed since planning (sha256 {short_hash(planned)} → {short_hash(now)})"]
-
-
-def short_hash(digest: str) -> str:
-    return digest[:8] + "…"

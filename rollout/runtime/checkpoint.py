@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from rollout.planner.fingerprint import is_url
+from rollout.files import is_url
 
 FORMAT_VERSION = 1
 COMPLETE = "COMPLETE"

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rollout.harness.reward_runner import RewardFunction, describe
-from rollout.harness.rewards import BUILTIN_REWARDS
-from rollout.planner.definition import Plan
-from rollout.planner.reward_model import model_directory_of
-from rollout.plugins.resolve import resolve_plugin
+from rollout.harness.reward_contract import RewardFunction, describe
+from rollout.planner.definition import ModelRewardRecord, Plan, RewardRecord
+from rollout.plugins.resolve import load_plugin
 from rollout.runtime.data import PromptStream, load_records
 
 if TYPE_CHECKING:
@@ -82,25 +81,27 @@ def build_scheduler(
 
 
 def build_reward_functions(plan: Plan) -> list[RewardFunction]:
-    """Resolve each reward again inside the worker; the host checked it is the planned one."""
-    functions = []
-    for i, spec in enumerate(plan.config.rewards):
-        if spec.model is not None:
-            # The reward model the plan froze (its directory and weights' sha256), not whatever
-            # `spec.model` points at now.
-            from rollout.harness.model_reward import ModelReward
+    """The plan's reward records, ready to call: each function imported by the identity the
+    planner recorded (the host checked it is unchanged), each reward model from the directory
+    the plan froze, not whatever the config's path points at now."""
+    return [
+        describe(
+            record.name,
+            _reward_callable(record, plan.graph.device),
+            record.weight,
+            record.options,
+            record.timeout_s,
+        )
+        for record in plan.rewards
+    ]
 
-            identity = next(p for p in plan.plugins if p.used_by == f"rewards[{i}].model")
-            fn = ModelReward(model_directory_of(identity), device=plan.graph.device)
-        else:
-            fn = resolve_plugin(
-                spec.fn,
-                base_dir=Path(plan.base_dir),
-                used_by=f"rewards[{i}].fn",
-                builtins=BUILTIN_REWARDS,
-            ).fn
-        functions.append(describe(spec.metric_name, fn, spec.weight, spec.options, spec.timeout_s))
-    return functions
+
+def _reward_callable(record: RewardRecord, device: str) -> Callable[..., Any]:
+    if isinstance(record, ModelRewardRecord):
+        from rollout.harness.model_reward import ModelReward
+
+        return ModelReward(Path(record.directory), device=device)
+    return load_plugin(record.plugin)
 
 
 def load_data(ctx: WorkerContext) -> tuple[PromptStream, list[dict[str, Any]]]:

@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 from rollout.harness.model_reward import SAMPLE_FORMAT_KEY
 from rollout.models.loading import LoadedModel, load_model
-from rollout.planner.builder import derive_seed
 from rollout.runtime.components import build_optimizer, build_scheduler
 from rollout.runtime.data import PromptStream
 from rollout.runtime.offline_batch import CompletionBatch
@@ -40,6 +39,7 @@ from rollout.runtime.recording import record_metrics
 from rollout.runtime.reference_cache import FILE_NAME, cache_key, cached_reference
 from rollout.runtime.run_state import RunState
 from rollout.runtime.worker import WorkerContext
+from rollout.seeds import derive_seed
 from rollout.storage.writer import BackgroundWriter
 
 log = logging.getLogger("rollout.offline")

@@ -27,7 +27,6 @@ from rollout.engines.build import build_engine
 from rollout.engines.hf.engine import HfEngine
 from rollout.harness.reward_runner import RewardRunner
 from rollout.models.loading import apply_chat_template, load_model
-from rollout.planner.builder import derive_seed
 from rollout.runtime.actor import Actor, PromptFormat
 from rollout.runtime.checkpoint import Extra
 from rollout.runtime.components import (
@@ -43,6 +42,7 @@ from rollout.runtime.recording import record_means, record_metrics
 from rollout.runtime.run_state import RunState
 from rollout.runtime.shaping import TokenAdvantages
 from rollout.runtime.worker import WorkerContext
+from rollout.seeds import derive_seed
 from rollout.storage.writer import BackgroundWriter
 
 log = logging.getLogger("rollout.trainer")
@@ -259,8 +259,8 @@ def _build_roles(ctx: WorkerContext) -> Roles:
 def _inside_reward(ctx: WorkerContext) -> Callable[[str], Any]:
     """Notes, for the host, which reward plugin this worker is running (see runtime/activity)."""
     labels = {
-        spec.metric_name: f"reward {spec.metric_name!r} (rewards[{i}]: {spec.fn or spec.model})"
-        for i, spec in enumerate(ctx.plan.config.rewards)
+        record.name: f"reward {record.name!r} (rewards[{i}]: {record.plugin.ref})"
+        for i, record in enumerate(ctx.plan.rewards)
     }
 
     def guard(name: str) -> Any:

@@ -25,6 +25,7 @@ from rollout.config.algorithm import OFFLINE_KINDS
 from rollout.executor.failure import error_file, fault_file
 from rollout.executor.processes import RUN_TOKEN_ENV, die_with_parent
 from rollout.planner.definition import Plan
+from rollout.planner.lockfile import read_plan
 from rollout.redact import redact_text
 from rollout.runtime.activity import Activity, activity_file
 
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get(RUN_TOKEN_ENV):  # started by a host: die with torchrun, never outlive it
         die_with_parent(os.getppid())
 
-    plan = Plan.from_file(args.plan, check_fresh=False)  # the host verified it before launch
+    plan = read_plan(args.plan, check_fresh=False)  # the host verified it before launch
     rank = int(os.environ.get("RANK", "0"))
     context = WorkerContext(
         plan=plan,

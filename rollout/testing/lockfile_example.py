@@ -67,4 +67,6 @@ def comparable(lockfile_text: str) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    example_plan().write(sys.argv[1] if len(sys.argv) > 1 else "plan.lock.example")
+    from rollout.planner.lockfile import write_plan
+
+    write_plan(example_plan(), sys.argv[1] if len(sys.argv) > 1 else "plan.lock.example")

@@ -52,6 +52,7 @@ from rollout.models.builtin_build import builtin_model_dir
 from rollout.planner.builder import build_plan
 from rollout.planner.definition import Plan
 from rollout.planner.hardware import probe_hardware
+from rollout.planner.lockfile import write_plan
 from rollout.storage import open_store
 from tests.conftest import write_toml
 
@@ -352,7 +353,7 @@ def run_worker(plan: Plan) -> RunResult:
     run_dir = Path(plan.derived.run_dir)
     run_dir.mkdir(parents=True)
     lock = run_dir / "plan.lock"
-    plan.write(str(lock))
+    write_plan(plan, lock)
     store = open_store(plan.derived.store)
     store.create_run(
         plan.run_id,

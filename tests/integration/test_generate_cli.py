@@ -141,6 +141,7 @@ def test_generate_from_a_runs_checkpoint_by_path_and_by_run_id(work, base_config
     from rollout.models.loading import load_model
     from rollout.planner.builder import build_plan
     from rollout.planner.inspect_model import inspect_model
+    from rollout.planner.lockfile import write_plan
     from rollout.runtime.checkpoint import save_checkpoint
     from rollout.storage import open_store
 
@@ -148,7 +149,7 @@ def test_generate_from_a_runs_checkpoint_by_path_and_by_run_id(work, base_config
     base_config["generation"]["max_new_tokens"] = 5
     plan = build_plan(config_file(base_config))
     run_dir = Path(plan.derived.run_dir)
-    plan.write(str(run_dir / "plan.lock"))
+    write_plan(plan, run_dir / "plan.lock")
     facts = inspect_model(ModelSection(builtin="tiny-llama"), base_dir=work)
     loaded = load_model(facts, ModelSection(builtin="tiny-llama"), dtype="float32", device="cpu")
     step = save_checkpoint(

@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from rollout.models.builtin_build import build_tiny
-from rollout.planner.definition import Plan
+from rollout.planner.lockfile import read_plan
 from rollout.storage import open_store
 from tests.integration.driver import environment, rollout
 
@@ -71,7 +71,7 @@ def test_pairwise_preference_learns(workdir, example):
     entropy = series(store, record.run_id, "train/entropy")
     assert entropy and all(0 < e < 10 for e in entropy), entropy  # nats, vocabulary of 1000s
 
-    plan = Plan.from_file(str(Path(record.run_dir) / "plan.lock"), check_fresh=False)
+    plan = read_plan(Path(record.run_dir) / "plan.lock", check_fresh=False)
     cache = Path(record.run_dir) / "reference-logprobs.safetensors"
     with safe_open(str(cache), framework="pt") as handle:
         assert handle.metadata()["model_fingerprint"] == plan.model.fingerprint

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from rollout import Plan
+from rollout import read_plan, write_plan
 from rollout.cli.app import app
 from rollout.testing.lockfile_example import comparable, example_plan
 from tests.conftest import EXAMPLES, REPO
@@ -46,7 +46,7 @@ def test_tiny_examples_plan_on_a_fresh_clone(workdir, name):
     code, output = plan_cli(f"examples/{name}", "--explain")
     assert code == 0, output
     assert "wrote plan.lock" in output and "Memory estimate" in output
-    plan = Plan.from_file("plan.lock")
+    plan = read_plan("plan.lock")
     assert plan.config.run.name == name.removesuffix(".toml")
     assert plan.model.location.startswith("builtin:")
     assert plan.data[0].num_records > 0
@@ -56,10 +56,10 @@ def test_round_trip_is_exact(workdir):
     code, output = plan_cli("examples/grpo-tiny.toml")
     assert code == 0, output
     first = Path("plan.lock").read_bytes()
-    plan = Plan.from_file("plan.lock")
-    plan.write("again.lock")
+    plan = read_plan("plan.lock")
+    write_plan(plan, "again.lock")
     assert Path("again.lock").read_bytes() == first
-    assert Plan.from_file("again.lock") == plan
+    assert read_plan("again.lock") == plan
 
 
 def test_run_accepts_an_untouched_plan_and_refuses_a_tampered_one(workdir):
@@ -120,7 +120,7 @@ def test_a_bad_plugin_is_one_clear_error(workdir):
 
 
 def test_plan_lock_example_is_current(tmp_path):
-    example_plan().write(str(tmp_path / "plan.lock"))
+    write_plan(example_plan(), tmp_path / "plan.lock")
     committed = comparable((REPO / "plan.lock.example").read_text(encoding="utf-8"))
     current = comparable((tmp_path / "plan.lock").read_text(encoding="utf-8"))
     assert committed == current, "plan.lock.example is stale: run `nox -s plan_example`"
@@ -133,7 +133,7 @@ def test_plan_lock_example_is_current(tmp_path):
 def test_grpo_arith_plans_the_real_smollm2(workdir):
     code, output = plan_cli("examples/grpo-arith.toml")
     assert code == 0, output
-    plan = Plan.from_file("plan.lock")
+    plan = read_plan("plan.lock")
     assert plan.model.architecture == "LlamaForCausalLM"
     assert plan.model.num_parameters == 134_515_008
     assert plan.model.quantization == "Q4_1"

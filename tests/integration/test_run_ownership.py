@@ -115,10 +115,11 @@ def plan(workdir: Path, name: str, *settings: str) -> Path:
     """`rollout plan` of grpo-tiny with `settings` (--set pairs), in this process: a CLI start
     per plan would cost seconds, and planning has its own tests."""
     from rollout.planner.builder import build_plan
+    from rollout.planner.lockfile import write_plan
 
     overrides = [*settings[1::2], f"run.output_dir={workdir / 'runs'}"]
     path = workdir / f"{name}.lock"
-    build_plan(workdir / "examples" / "grpo-tiny.toml", overrides=overrides).write(str(path))
+    write_plan(build_plan(workdir / "examples" / "grpo-tiny.toml", overrides=overrides), path)
     return path
 
 

@@ -44,9 +44,9 @@ from rollout.config.plain import MAX_DEPTH, MAX_VALUES, dotted
 from rollout.config.root import RunConfig
 from rollout.errors import ConfigError, LockfileError, PlanError, RolloutError
 from rollout.files import FileRefused
+from rollout.fingerprints import sha256_file
 from rollout.inference.prompts import read_prompts
 from rollout.planner import lockfile
-from rollout.planner.fingerprint import sha256_file
 from rollout.planner.inspect_data import MAX_RECORD_DEPTH, inspect_data
 from tests.conftest import BASE_CONFIG, REPO, TRAIN_RECORDS, write_toml
 
@@ -259,7 +259,7 @@ DEVICE_SCRIPT = textwrap.dedent(
     from tests.unit.test_bad_input import READERS
     from rollout.errors import RolloutError
     from rollout.files import FileRefused
-    from rollout.planner.fingerprint import sha256_file
+    from rollout.fingerprints import sha256_file
     devices = [d for d in ("/dev/zero", "/dev/urandom", "/dev/null", "/dev/full", "/dev/tty")
                if os.path.exists(d)]
     results = []

@@ -7,8 +7,9 @@ import json
 import pytest
 
 from rollout import PlanError
-from rollout.planner.builder import build_plan, derive_seed
+from rollout.planner.builder import build_plan
 from rollout.planner.definition import GpuFacts, HardwareFacts
+from rollout.seeds import derive_seed
 
 GIB = 1024**3
 LAPTOP = HardwareFacts(

@@ -13,6 +13,7 @@ from rollout.cli.app import app
 from rollout.cli.progress import RunView
 from rollout.executor import launch
 from rollout.planner.builder import build_plan
+from rollout.planner.lockfile import write_plan
 from rollout.storage import open_store
 from rollout.storage.base import MetricRecord
 
@@ -29,7 +30,7 @@ def planned(config_file, base_config, tmp_path):
     base_config["run"]["output_dir"] = str(tmp_path / "runs")
     plan = build_plan(config_file(base_config))
     path = tmp_path / "plan.lock"
-    plan.write(str(path))
+    write_plan(plan, path)
     return plan, path
 
 

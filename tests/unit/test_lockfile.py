@@ -11,14 +11,17 @@ from pathlib import Path
 
 import pytest
 
+import rollout
 from rollout.config import read_config_file, validate_config
 from rollout.errors import LockfileError
+from rollout.fingerprints import sha256_bytes, sha256_file
 from rollout.harness.rewards import BUILTIN_REWARDS
 from rollout.planner.definition import (
     FORMAT_VERSION,
     DataFacts,
     Derived,
     Edge,
+    FunctionRewardRecord,
     Graph,
     HardwareFacts,
     MemoryEstimate,
@@ -29,7 +32,6 @@ from rollout.planner.definition import (
     Seeds,
     Versions,
 )
-from rollout.planner.fingerprint import sha256_bytes, sha256_file
 from rollout.planner.lockfile import canonical_json, read_plan, stale_reasons, write_plan
 from rollout.plugins import installed_version, resolve_plugin
 
@@ -66,6 +68,14 @@ def build_plan(base: Path, reward: str = "numeric_match", **reward_settings: obj
     identity = resolve_plugin(
         reward, base_dir=base, used_by="rewards[0].fn", builtins=BUILTIN_REWARDS
     ).identity
+    spec = config.rewards[0]
+    record = FunctionRewardRecord(
+        name=spec.metric_name,
+        weight=spec.weight,
+        options=spec.options,
+        timeout_s=spec.timeout_s,
+        plugin=identity,
+    )
     return Plan(
         run_id="run-20250101-000000-abcd",
         created_at="2025-01-01T00:00:00+00:00",
@@ -87,7 +97,7 @@ def build_plan(base: Path, reward: str = "numeric_match", **reward_settings: obj
             total_steps=100,
             max_sequence_length=768,
         ),
-        plugins=[identity],
+        rewards=[record],
         model=ModelFacts(
             source="builtin",
             location="builtin:tiny-llama",
@@ -194,7 +204,7 @@ def test_canonical_json_is_sorted_compact_and_unescaped():
 
 def test_round_trip_gives_an_equal_plan(plan, lock):
     assert read_plan(lock) == plan
-    assert Plan.from_file(str(lock)) == plan
+    assert rollout.read_plan(lock) == plan
 
 
 def test_equal_plans_give_identical_bytes(tmp_path, plan, lock):
@@ -206,7 +216,9 @@ def test_equal_plans_give_identical_bytes(tmp_path, plan, lock):
 def test_layout_and_hash(plan, lock):
     text = lock.read_text(encoding="utf-8")
     assert text.endswith("}\n")
-    assert text.startswith('{\n  "format": "rollout.plan",\n  "format_version": 1,\n')
+    assert text.startswith(
+        f'{{\n  "format": "rollout.plan",\n  "format_version": {FORMAT_VERSION},\n'
+    )
     document = json.loads(text)
     assert sorted(document) == ["format", "format_version", "plan", "sha256"]
     body = {key: document[key] for key in ("format", "format_version", "plan")}
@@ -215,7 +227,7 @@ def test_layout_and_hash(plan, lock):
 
 
 def test_write_leaves_no_temporary_files(tmp_path, plan, lock):
-    plan.write(str(lock))  # over an existing file
+    write_plan(plan, lock)  # over an existing file
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")) == []
 
 
@@ -313,6 +325,26 @@ def test_older_format_version_asks_to_plan_again(plan, lock):
     (issue,) = refusal(lock).issues
     assert "older" in issue.message
     assert issue.hint == f"re-run `rollout plan --config {plan.config_path} -o {lock}`"
+
+
+def test_a_lock_of_the_previous_format_asks_to_plan_again(plan, lock):
+    """Format 1 kept `plugins` (identities only); format 2 keeps one record per reward."""
+    content = plan.model_dump(mode="json")
+    content["plugins"] = [reward.pop("plugin") for reward in content.pop("rewards")]
+    forge(lock, content, format_version=1)
+    (issue,) = refusal(lock).issues
+    assert "uses plan format 1, older than this rollout" in issue.message
+    assert f"reads plan format {FORMAT_VERSION}" in issue.message
+    assert issue.hint == f"re-run `rollout plan --config {plan.config_path} -o {lock}`"
+
+
+def test_a_reward_without_its_record_is_refused(plan, lock):
+    content = plan.model_dump(mode="json")
+    content["rewards"] = []
+    forge(lock, content)
+    (issue,) = refusal(lock).issues
+    assert "does not hold a valid plan" in issue.message
+    assert "rewards must hold one record per config.rewards entry" in issue.message
 
 
 def test_invalid_plan_content_is_refused_even_with_a_good_hash(plan, lock):
@@ -422,8 +454,8 @@ def test_reading_a_plan_imports_neither_torch_nor_plugins(tmp_path):
     write_plan(build_plan(tmp_path, reward="./rewards.py:score"), lock)
     marker.unlink()  # planning imported the plugin; reading the plan must not
     script = (
-        "import sys; from rollout.planner import Plan; "
-        f"Plan.from_file({str(lock)!r}); "
+        "import sys; from rollout import read_plan; "
+        f"read_plan({str(lock)!r}); "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)

@@ -12,7 +12,7 @@ from rollout.config.validate import validate_config
 from rollout.errors import ConfigError, LockfileError, PlanError
 from rollout.harness.model_reward import SAMPLE_FORMAT_KEY, ModelReward, reward_scores
 from rollout.planner.builder import build_plan
-from rollout.planner.definition import Plan
+from rollout.planner.lockfile import read_plan, write_plan
 from rollout.planner.reward_model import resolve_reward_model
 from rollout.runtime.components import build_reward_functions
 from rollout.runtime.offline_batch import pad_completions
@@ -136,12 +136,12 @@ def test_a_planned_reward_model_scores_in_the_worker_and_goes_stale(saved_run, t
     assert len(scores) == 1 and isinstance(scores[0], float)
 
     lock = tmp_path / "plan.lock"
-    plan.write(str(lock))
+    write_plan(plan, lock)
     weights = Path(identity.path)
     original = weights.read_bytes()
     try:
         weights.write_bytes(original[:-4] + b"\0\0\0\0")
         with pytest.raises(LockfileError, match="changed since planning"):
-            Plan.from_file(str(lock))
+            read_plan(lock)
     finally:
         weights.write_bytes(original)

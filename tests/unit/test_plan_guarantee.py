@@ -279,7 +279,7 @@ def _planned(config_file, base_config, tmp_path):
     base_config["run"]["output_dir"] = str(tmp_path / "runs")
     plan = build_plan(config_file(base_config), hardware=LAPTOP)
     lock = tmp_path / "plan.lock"
-    plan.write(str(lock))
+    write_plan(plan, lock)
     return plan, lock
 
 

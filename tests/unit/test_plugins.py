@@ -15,14 +15,10 @@ from pathlib import Path
 import pytest
 
 from rollout.errors import PlanError
+from rollout.fingerprints import sha256_file
+from rollout.harness.reward_contract import check_reward_signature
 from rollout.harness.rewards import BUILTIN_REWARDS, numeric_match, regex_match
-from rollout.planner.fingerprint import sha256_file
-from rollout.plugins import (
-    ResolvedPlugin,
-    check_reward_signature,
-    plugin_changes,
-    resolve_plugin,
-)
+from rollout.plugins import ResolvedPlugin, plugin_changes, resolve_plugin
 
 USED_BY = "rewards[0].fn"
 
@@ -489,7 +485,8 @@ CALLS = [
 
 @pytest.mark.parametrize(("parameters", "options", "works"), CALLS)
 def test_the_plan_accepts_exactly_what_the_reward_runner_can_call(parameters, options, works):
-    from rollout.harness.reward_runner import RewardError, RewardRunner, describe
+    from rollout.harness.reward_contract import RewardError, describe
+    from rollout.harness.reward_runner import RewardRunner
 
     namespace: dict = {}
     exec(f"def score({parameters}):\n    return [0.0]", namespace)

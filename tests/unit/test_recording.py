@@ -122,7 +122,8 @@ def test_one_rank_needs_no_collective():
 
 @pytest.mark.parametrize("rows", [0, 3])
 def test_evaluate_returns_sums_and_the_number_of_rows(rows):
-    from rollout.harness.reward_runner import RewardRunner, describe
+    from rollout.harness.reward_contract import describe
+    from rollout.harness.reward_runner import RewardRunner
     from rollout.runtime.actor import PromptFormat
     from rollout.runtime.evaluate import evaluate
 

@@ -8,12 +8,8 @@ import time
 
 import pytest
 
-from rollout.harness.reward_runner import (
-    RewardError,
-    RewardFunction,
-    RewardRunner,
-    describe,
-)
+from rollout.harness.reward_contract import RewardError, RewardFunction, describe
+from rollout.harness.reward_runner import RewardRunner
 
 PROMPTS = ["1 + 1?", "2 + 2?", "3 + 3?", "4 + 4?"]
 COMPLETIONS = ["2", "5", "6", "It is 8, because four and four make eight, as everyone knows."]

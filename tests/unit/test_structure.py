@@ -32,7 +32,7 @@ ALLOWED = {
         "harness",
         "__init__",
     },
-    "plugins": {"plugins", "errors", "planner", "__init__"},
+    "plugins": {"plugins", "errors"},
     "storage": {"storage", "config", "errors"},
     "executor": {"executor", "planner", "storage", "config", "errors"},
     "algorithms": {"algorithms"},
@@ -74,9 +74,10 @@ ALLOWED["serve"] = {
     "errors",
     "inference",
 }
-# Standard-library-only modules every layer may use: redaction of credentials in any text, and
-# reading a user-named local file only when it is a regular file, with a size cap.
-SHARED = {"redact", "files"}
+# Standard-library-only modules every layer may use: redaction of credentials in any text,
+# reading a user-named local file only when it is a regular file, with a size cap; content
+# fingerprints; seeds derived from the run's root seed.
+SHARED = {"redact", "files", "fingerprints", "seeds"}
 FORBIDDEN_THIRD_PARTY = {
     "config": {"torch", "transformers", "typer", "rich"},
     "planner": {"torch", "transformers", "gguf", "vllm"},
@@ -110,6 +111,17 @@ def test_import_direction(package):
             elif parts[0] in FORBIDDEN_THIRD_PARTY.get(package, ()):
                 wrong.append(f"{path.relative_to(REPO)} imports {name}")
     assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("module", sorted(SHARED))
+def test_shared_modules_are_leaves(module):
+    """Every layer imports them, so they import no other part of rollout but each other."""
+    wrong = [
+        name
+        for name in _imports(PACKAGE / f"{module}.py")
+        if name == "rollout" or (name.startswith("rollout.") and name.split(".")[1] not in SHARED)
+    ]
+    assert not wrong, f"rollout/{module}.py imports {', '.join(wrong)}"
 
 
 def test_algorithms_engines_harness_never_see_config_objects():

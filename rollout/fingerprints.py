@@ -1,12 +1,14 @@
-"""Content fingerprints, so a plan notices when a file it was built from has changed."""
+"""Content fingerprints, so a plan notices when a file it was built from has changed.
+
+Standard library only (and rollout.files): every layer may import it, as it does redact and files.
+"""
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import BinaryIO
 
-from rollout.files import open_regular
+from rollout.files import open_binary
 
 _CHUNK = 1 << 20
 
@@ -31,18 +33,6 @@ def sha256_file(location: str | Path, *, limit: int | None = None) -> str:
     return digest.hexdigest()
 
 
-def is_url(location: str | Path) -> bool:
-    return "://" in str(location) and not str(location).startswith("file://")
-
-
-def open_binary(location: str | Path) -> BinaryIO:
-    """Open a local path or an fsspec URL for reading bytes.
-
-    A local path must be a regular file: a FIFO or a device (/dev/zero) raises FileRefused (an
-    OSError) instead of blocking or reading forever. Remote objects cannot be either.
-    """
-    if is_url(location):
-        import fsspec  # only remote locations pay for fsspec
-
-        return fsspec.open(str(location), "rb").open()
-    return open_regular(str(location).removeprefix("file://"))
+def short_hash(digest: str) -> str:
+    """The start of a digest, as messages show it: 'sha256 0123abcd… → 89efcdab…'."""
+    return digest[:8] + "…"
