@@ -16,7 +16,7 @@ from rollout.plugins.resolve import resolve_plugin
 from rollout.runtime.data import PromptStream, load_records
 
 if TYPE_CHECKING:
-    from rollout.runtime.worker import WorkerContext
+    from rollout.runtime.context import WorkerContext
 
 
 def build_optimizer(

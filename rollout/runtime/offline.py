@@ -25,6 +25,7 @@ import torch.distributed as dist
 from rollout.harness.model_reward import SAMPLE_FORMAT_KEY
 from rollout.planner.builder import derive_seed
 from rollout.runtime.components import build_optimizer, build_scheduler
+from rollout.runtime.context import WorkerContext
 from rollout.runtime.data import PromptStream
 from rollout.runtime.models import LoadedModel, load_model
 from rollout.runtime.offline_batch import CompletionBatch
@@ -39,7 +40,6 @@ from rollout.runtime.offline_objectives import (
 from rollout.runtime.recording import record_metrics
 from rollout.runtime.reference_cache import FILE_NAME, cache_key, cached_reference
 from rollout.runtime.run_state import RunState
-from rollout.runtime.worker import WorkerContext
 from rollout.storage.writer import BackgroundWriter
 
 log = logging.getLogger("rollout.offline")

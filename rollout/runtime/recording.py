@@ -23,7 +23,7 @@ progress = logging.getLogger("rollout.progress")
 
 if TYPE_CHECKING:
     from rollout.planner.definition import Plan
-    from rollout.runtime.worker import WorkerContext
+    from rollout.runtime.context import WorkerContext
     from rollout.storage.writer import BackgroundWriter
 
 

@@ -29,7 +29,7 @@ from rollout.runtime.data import PromptStream
 from rollout.runtime.recording import gather_by_rank, gather_rng
 
 if TYPE_CHECKING:
-    from rollout.runtime.worker import WorkerContext
+    from rollout.runtime.context import WorkerContext
     from rollout.storage.writer import BackgroundWriter
 
 log = logging.getLogger("rollout.checkpoint")

@@ -34,6 +34,7 @@ from rollout.runtime.components import (
     build_scheduler,
     load_data,
 )
+from rollout.runtime.context import WorkerContext
 from rollout.runtime.critic import Critic, value_model_for
 from rollout.runtime.evaluate import evaluate
 from rollout.runtime.learner import Learner, LearnerKnobs
@@ -41,7 +42,6 @@ from rollout.runtime.models import apply_chat_template, load_model
 from rollout.runtime.recording import record_means, record_metrics
 from rollout.runtime.run_state import RunState
 from rollout.runtime.shaping import TokenAdvantages
-from rollout.runtime.worker import WorkerContext
 from rollout.storage.writer import BackgroundWriter
 
 log = logging.getLogger("rollout.trainer")

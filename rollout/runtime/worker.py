@@ -16,9 +16,7 @@ import os
 import signal
 import sys
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
-from threading import Event
 from typing import TYPE_CHECKING
 
 from rollout.config.algorithm import OFFLINE_KINDS
@@ -27,36 +25,12 @@ from rollout.executor.processes import RUN_TOKEN_ENV, die_with_parent
 from rollout.planner.definition import Plan
 from rollout.redact import redact_text
 from rollout.runtime.activity import Activity, activity_file
+from rollout.runtime.context import WorkerContext
 
 if TYPE_CHECKING:
     from rollout.storage.writer import BackgroundWriter
 
 log = logging.getLogger("rollout.worker")
-
-
-@dataclass
-class WorkerContext:
-    """What a worker knows about itself: its plan, its place, and whether it should stop."""
-
-    plan: Plan
-    rank: int
-    local_rank: int
-    world_size: int
-    stop: Event = field(default_factory=Event)
-    activity: Activity | None = None
-    """Where this worker is (step, plugin), for the host to report if it dies without a word."""
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def device(self) -> str:
-        return self.plan.graph.processes[self.rank].device
-
-    @property
-    def roles(self) -> list[str]:
-        return self.plan.graph.processes[self.rank].roles
 
 
 def main(argv: list[str] | None = None) -> int:
