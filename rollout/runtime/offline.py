@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from rollout.harness.model_reward import SAMPLE_FORMAT_KEY
 from rollout.planner.builder import derive_seed
+from rollout.runtime import transport
 from rollout.runtime.components import build_optimizer, build_scheduler
 from rollout.runtime.context import WorkerContext
 from rollout.runtime.data import PromptStream
@@ -121,7 +121,7 @@ def _optimizer_step(ctx: WorkerContext, run: Run, indices: list[int]) -> tuple[d
         tokens += micro_tokens
         for name, value in metrics.items():
             totals[f"train/{name}"] += value
-    _average_gradients(run.model, ctx.world_size)
+    transport.average_gradients(run.model.parameters())
     limit = ctx.plan.config.algorithm.max_grad_norm
     params = [p for p in run.model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, limit if limit is not None else float("inf"))
@@ -280,15 +280,3 @@ def _reference(
         world_size=ctx.world_size,
     )
     return CachedReference(tables)
-
-
-# --- gradients -----------------------------------------------------------------------------------
-
-
-def _average_gradients(model: Any, world_size: int) -> None:
-    if world_size == 1:
-        return
-    for param in model.parameters():
-        if param.grad is not None:
-            dist.all_reduce(param.grad)
-            param.grad /= world_size

@@ -121,7 +121,6 @@ def _configure_logging(handler: logging.Handler, plan: Plan) -> None:
 
 def _setup_torch(context: WorkerContext) -> None:
     import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(context.plan.derived.threads_per_process)
     from rollout.runtime.determinism import make_deterministic  # same plan, same run
@@ -132,17 +131,17 @@ def _setup_torch(context: WorkerContext) -> None:
     transformers_logging.disable_progress_bar()
     if context.device.startswith("cuda"):
         torch.cuda.set_device(context.local_rank)
-    if context.world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=context.plan.graph.backend)
+    from rollout.runtime import transport
+
+    transport.join_process_group(context.world_size, context.plan.graph.backend)
 
 
 def _teardown_torch() -> None:
-    if "torch" not in sys.modules:
+    if "torch" not in sys.modules:  # it never started: nothing to leave, and no torch to import
         return
-    import torch.distributed as dist
+    from rollout.runtime import transport
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    transport.leave_process_group()
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ def context(rank: int, world: int, **plan_options) -> SimpleNamespace:
 
 def on_ranks(monkeypatch, calls) -> Writer:
     """Run calls[r](ctx of rank r, writer) on every rank at once; what rank 0 wrote."""
-    monkeypatch.setattr(recording.dist, "all_reduce", ThreadGroup(len(calls)).all_reduce)
+    monkeypatch.setattr(recording.transport.dist, "all_reduce", ThreadGroup(len(calls)).all_reduce)
     writer = Writer()
     with ThreadPoolExecutor(len(calls)) as pool:
         futures = [
@@ -184,7 +184,7 @@ def test_skipped_steps_still_reduce_on_every_rank(monkeypatch):
     def rank1(ctx, w):
         record_metrics(ctx, w, 3, {"train/loss": 3.0})
 
-    monkeypatch.setattr(recording.dist, "all_reduce", ThreadGroup(2).all_reduce)
+    monkeypatch.setattr(recording.transport.dist, "all_reduce", ThreadGroup(2).all_reduce)
     writer = Writer()
     with ThreadPoolExecutor(2) as pool:
         futures = [
