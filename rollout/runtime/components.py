@@ -1,10 +1,10 @@
-"""Building the pieces a worker needs from its plan: optimizer, schedule, rewards, data."""
+"""Building the pieces a worker needs from its plan: optimizer, schedule, rewards."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -13,10 +13,6 @@ from rollout.harness.rewards import BUILTIN_REWARDS
 from rollout.planner.definition import Plan
 from rollout.planner.reward_model import model_directory_of
 from rollout.plugins.resolve import resolve_plugin
-from rollout.runtime.data import PromptStream, load_records
-
-if TYPE_CHECKING:
-    from rollout.runtime.context import WorkerContext
 
 
 def build_optimizer(
@@ -101,25 +97,3 @@ def build_reward_functions(plan: Plan) -> list[RewardFunction]:
             ).fn
         functions.append(describe(spec.metric_name, fn, spec.weight, spec.options, spec.timeout_s))
     return functions
-
-
-def load_data(ctx: WorkerContext) -> tuple[PromptStream, list[dict[str, Any]]]:
-    """This rank's training stream and its shard of the evaluation set."""
-    plan = ctx.plan
-    facts = {f.split: f for f in plan.data}
-    sources = {"train": plan.config.data.train, "eval": plan.config.data.eval}
-    train = load_records(facts["train"].location, facts["train"].format, sources["train"].limit)
-    stream = PromptStream(
-        train,
-        seed=plan.seeds.data,
-        shuffle=plan.config.data.shuffle,
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-    )
-    eval_rows: list[dict[str, Any]] = []
-    if "eval" in facts and sources["eval"] is not None:
-        everything = load_records(
-            facts["eval"].location, facts["eval"].format, sources["eval"].limit
-        )
-        eval_rows = [dict(r) for r in everything[ctx.rank :: ctx.world_size]]
-    return stream, eval_rows

@@ -3,9 +3,9 @@
 Two layouts:
 
 - ``pad_completions``: prompt + completion rows, LEFT-padded, so every completion ends at the last
-  position (as rollout.runtime.batch.PaddedBatch): the logits of the last K + 1 positions cover
-  every completion token, and the last position is every row's final token (the reward model
-  reads its score there).
+  position (as rollout.runtime.online.batches.PaddedBatch): the logits of the last K + 1
+  positions cover every completion token, and the last position is every row's final token (the
+  reward model reads its score there).
 - ``pad_sequences`` and ``pack_sequences`` (SFT): RIGHT-padded rows with shifted labels, or
   several samples per row with position ids restarting at each sample and no attention mask, from
   which transformers builds a block-diagonal causal mask: attention never crosses samples.

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         if plan.config.algorithm.kind in OFFLINE_KINDS:
             from rollout.runtime.offline import train
         else:
-            from rollout.runtime.trainer import train
+            from rollout.runtime.online.trainer import train
 
         train(context, writer)
         return 0

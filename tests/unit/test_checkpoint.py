@@ -285,7 +285,7 @@ def test_weights_of_another_architecture_are_refused(tmp_path: Path, tokenizer):
 
 def test_a_critic_saved_beside_the_policy_round_trips(tmp_path: Path, tokenizer):
     from rollout.runtime.checkpoint import Extra
-    from rollout.runtime.critic import value_model_for
+    from rollout.runtime.online.critic import value_model_for
 
     policy = tiny_model(0)
     critic = value_model_for(policy, separate=True)

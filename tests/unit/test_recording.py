@@ -123,8 +123,8 @@ def test_one_rank_needs_no_collective():
 @pytest.mark.parametrize("rows", [0, 3])
 def test_evaluate_returns_sums_and_the_number_of_rows(rows):
     from rollout.harness.reward_runner import RewardRunner, describe
-    from rollout.runtime.actor import PromptFormat
-    from rollout.runtime.evaluate import evaluate
+    from rollout.runtime.online.actor import PromptFormat
+    from rollout.runtime.online.evaluate import evaluate
 
     class Engine:
         def generate(self, prompts, params):

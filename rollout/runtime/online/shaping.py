@@ -15,8 +15,8 @@ import torch
 
 from rollout.algorithms.advantages import gae, kl_shaped_rewards, reinforce_pp_advantages, whiten
 from rollout.algorithms.losses import kl_penalty, masked_mean
-from rollout.runtime.batch import PaddedBatch, RolloutBatch, pad_for_learner, unpad_left
-from rollout.runtime.critic import Critic
+from rollout.runtime.online.batches import PaddedBatch, RolloutBatch, pad_for_learner, unpad_left
+from rollout.runtime.online.critic import Critic
 
 # (model, the rollout batch, the same batch padded) -> [B, K] completion log-probs, no grad
 LogprobFn = Callable[[torch.nn.Module, RolloutBatch, PaddedBatch], torch.Tensor]

@@ -15,9 +15,9 @@ import torch
 
 from rollout.algorithms.losses import entropy_from_logits, grpo_loss, token_logprobs
 from rollout.runtime import transport
-from rollout.runtime.batch import PaddedBatch, RolloutBatch, pad_for_learner
-from rollout.runtime.critic import Critic
-from rollout.runtime.shared_prefix import (
+from rollout.runtime.online.batches import PaddedBatch, RolloutBatch, pad_for_learner
+from rollout.runtime.online.critic import Critic
+from rollout.runtime.online.shared_prefix import (
     shared_prefix_logprobs,
     shares_prompts,
     supports_shared_prefix,
@@ -178,7 +178,7 @@ class Learner:
         self, model: torch.nn.Module, micro: RolloutBatch, padded: PaddedBatch
     ) -> torch.Tensor:
         """[B, K] log-probs of the completion tokens; vocabulary logits only where needed, and
-        a prompt shared by several completions run once (rollout.runtime.shared_prefix)."""
+        a prompt shared by several completions run once (rollout.runtime.online.shared_prefix)."""
         return self._scores(model, micro, padded, entropy=False)
 
     def _scores(

@@ -26,22 +26,18 @@ from rollout.engines.base import Engine, SamplingParams
 from rollout.engines.hf import HfEngine
 from rollout.harness.reward_runner import RewardRunner
 from rollout.planner.builder import derive_seed
-from rollout.runtime.actor import Actor, PromptFormat
 from rollout.runtime.checkpoint import Extra
-from rollout.runtime.components import (
-    build_optimizer,
-    build_reward_functions,
-    build_scheduler,
-    load_data,
-)
+from rollout.runtime.components import build_optimizer, build_reward_functions, build_scheduler
 from rollout.runtime.context import WorkerContext
-from rollout.runtime.critic import Critic, value_model_for
-from rollout.runtime.evaluate import evaluate
-from rollout.runtime.learner import Learner, LearnerKnobs
 from rollout.runtime.models import apply_chat_template, load_model
+from rollout.runtime.online.actor import Actor, PromptFormat
+from rollout.runtime.online.critic import Critic, value_model_for
+from rollout.runtime.online.evaluate import evaluate
+from rollout.runtime.online.learner import Learner, LearnerKnobs
+from rollout.runtime.online.prompts import load_data
+from rollout.runtime.online.shaping import TokenAdvantages
 from rollout.runtime.recording import record_means, record_metrics
 from rollout.runtime.run_state import RunState
-from rollout.runtime.shaping import TokenAdvantages
 from rollout.storage.writer import BackgroundWriter
 
 log = logging.getLogger("rollout.trainer")
