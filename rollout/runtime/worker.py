@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _setup_torch(context)
         if plan.config.algorithm.kind in OFFLINE_KINDS:
-            from rollout.runtime.offline import train
+            from rollout.runtime.offline.loop import train
         else:
             from rollout.runtime.online.trainer import train
 

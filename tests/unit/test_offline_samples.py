@@ -12,7 +12,7 @@ from rollout.config.model import ModelSection
 from rollout.planner.inspect_model import inspect_model
 from rollout.planner.samples import SampleError, SampleRules
 from rollout.planner.tokenizer import load
-from rollout.runtime.offline_data import HfTextTokenizer, encode_split
+from rollout.runtime.offline.data import HfTextTokenizer, encode_split
 from rollout.testing import tiny
 
 FIELDS = {

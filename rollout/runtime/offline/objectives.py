@@ -1,8 +1,8 @@
 """The offline objectives behind one interface, looked up by algorithm kind (OBJECTIVES).
 
-The loop (rollout.runtime.offline) asks an objective to split a step's records into micro
+The loop (rollout.runtime.offline.loop) asks an objective to split a step's records into micro
 batches, for each micro batch's loss, and to evaluate a split. The objective turns samples into
-tensors (rollout.runtime.offline_batch), runs the model, and calls the pure maths of
+tensors (rollout.runtime.offline.batches), runs the model, and calls the pure maths of
 rollout.algorithms. Every loss it returns is already weighed by its micro batch's share of the
 step, and so are its metrics: the loop sums them over micro batches (and averages over ranks).
 """
@@ -30,14 +30,14 @@ from rollout.algorithms.sft import IGNORE, sft_loss
 from rollout.harness.model_reward import reward_scores
 from rollout.planner.samples import Demonstration, Judged, Pair
 from rollout.runtime import transport
-from rollout.runtime.offline_batch import (
+from rollout.runtime.offline.batches import (
     CompletionBatch,
     TokenBatch,
     pack_sequences,
     pad_completions,
     pad_sequences,
 )
-from rollout.runtime.offline_data import Split
+from rollout.runtime.offline.data import Split
 
 Metrics = dict[str, float]
 
