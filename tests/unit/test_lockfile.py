@@ -80,12 +80,19 @@ def build_plan(base: Path, reward: str = "numeric_match", **reward_settings: obj
             artifacts=str(base / "runs" / "artifacts"),
             threads_per_process=2,
             prompts_per_step=2,
+            prompts_per_rank=2,
             minibatch_size=8,
+            minibatch_per_rank=8,
             micro_batch_size=8,
             grad_accumulation=1,
             optimizer_steps_per_step=1,
             total_steps=100,
+            total_optimizer_steps=100,
             max_sequence_length=768,
+            kl_in_reward=False,
+            keeps_reference_model=False,
+            logprob_temperature=1.0,
+            evaluates=False,
         ),
         plugins=[identity],
         model=ModelFacts(
@@ -206,7 +213,7 @@ def test_equal_plans_give_identical_bytes(tmp_path, plan, lock):
 def test_layout_and_hash(plan, lock):
     text = lock.read_text(encoding="utf-8")
     assert text.endswith("}\n")
-    assert text.startswith('{\n  "format": "rollout.plan",\n  "format_version": 1,\n')
+    assert text.startswith('{\n  "format": "rollout.plan",\n  "format_version": 2,\n')
     document = json.loads(text)
     assert sorted(document) == ["format", "format_version", "plan", "sha256"]
     body = {key: document[key] for key in ("format", "format_version", "plan")}

@@ -61,7 +61,7 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
         run.scheduler,
         run.stream,
     )
-    per_rank = plan.derived.minibatch_size // ctx.world_size
+    per_rank = plan.derived.minibatch_per_rank
 
     start = 0
     resumed = checkpoints.resume(ctx)
@@ -185,7 +185,7 @@ def _build(ctx: WorkerContext) -> Run:
             world_size=ctx.world_size,
         ),
         optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, algo, plan.derived.total_steps),
+        scheduler=build_scheduler(optimizer, algo, plan.derived.total_optimizer_steps),
     )
 
 

@@ -57,7 +57,7 @@ def build_reference(
     checkpoint is loaded), copied and run on every batch ("live"), or its log-probs computed once
     and kept in the run directory ("cached", rollout.runtime.offline.reference_cache)."""
     plan = ctx.plan
-    if plan.config.algorithm.reference == "live":
+    if plan.derived.keeps_reference_model:
         reference = copy.deepcopy(model).eval()
         reference.requires_grad_(False)
         return LiveReference(reference)

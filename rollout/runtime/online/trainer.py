@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from rollout.algorithms.advantages import ADVANTAGE_ESTIMATORS
-from rollout.config.rules import kl_in_reward
 from rollout.engines.base import Engine, SamplingParams
 from rollout.engines.hf import HfEngine
 from rollout.harness.reward_runner import RewardRunner
@@ -77,7 +76,7 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
     stream, eval_rows = load_data(ctx)
     # Every rank evaluates (a collective) when the run has an eval split, even a rank whose share
     # of it is empty.
-    evaluates = config.data.eval is not None and any(f.split == "eval" for f in plan.data)
+    evaluates = plan.derived.evaluates
     checkpoints = RunState(
         plan.derived.artifacts,
         roles.learner.model,
@@ -87,8 +86,6 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
         stream,
         roles.extras(),
     )
-    prompts_per_rank = plan.derived.prompts_per_step // ctx.world_size
-
     start = 0
     resumed = checkpoints.resume(ctx)
     if resumed is not None:
@@ -106,7 +103,7 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
         started = time.perf_counter()
         if ctx.activity is not None:
             ctx.activity.at_step(step)
-        rows = stream.take(prompts_per_rank)
+        rows = stream.take(plan.derived.prompts_per_rank)
         log.debug("step %d prompts %s", step, ",".join(f"{r.epoch}:{r.index}" for r in rows))
         seed = derive_seed(plan.seeds.sampling, f"{step}:{ctx.rank}")
         rollout = roles.actor.rollout([r.record for r in rows], seed=seed)
@@ -191,13 +188,13 @@ def _build_roles(ctx: WorkerContext) -> Roles:
         ),
     )
     reference = None
-    if algo.kl_coef > 0:
+    if plan.derived.keeps_reference_model:
         # The reference is the policy as it starts: copied before any checkpoint is loaded.
         reference = copy.deepcopy(model).eval()
         reference.requires_grad_(False)
     # PPO's classic KL penalty, and REINFORCE++'s, is part of the token rewards, not the loss.
-    in_reward = kl_in_reward(config)
-    optimizer_steps = plan.derived.total_steps * plan.derived.optimizer_steps_per_step
+    in_reward = plan.derived.kl_in_reward
+    optimizer_steps = plan.derived.total_optimizer_steps
     critic = _build_critic(model, algo, optimizer_steps) if algo.kind == "ppo" else None
     head = critic.model.head if critic and critic.shares_policy else None
     optimizer = build_optimizer(
@@ -208,7 +205,7 @@ def _build_roles(ctx: WorkerContext) -> Roles:
         optimizer,
         build_scheduler(optimizer, algo, optimizer_steps),
         LearnerKnobs(
-            minibatch_size=plan.derived.minibatch_size // ctx.world_size,
+            minibatch_size=plan.derived.minibatch_per_rank,
             micro_batch_size=plan.derived.micro_batch_size,
             update_epochs=algo.update_epochs,
             clip_ratio_low=algo.clip_ratio_low,
@@ -217,7 +214,7 @@ def _build_roles(ctx: WorkerContext) -> Roles:
             kl_estimator=algo.kl_estimator,
             loss_aggregation=algo.loss_aggregation,
             max_grad_norm=algo.max_grad_norm,
-            temperature=gen.temperature if gen.temperature > 0 else 1.0,
+            temperature=plan.derived.logprob_temperature,
             max_new_tokens=gen.max_new_tokens,
         ),
         pad_token_id=loaded.pad_token_id,
