@@ -2,8 +2,9 @@
 checkpoint.
 
 It reads top to bottom: build the roles from the plan, resume from the latest complete
-checkpoint, then one iteration per step. Algorithm maths lives in rollout/algorithms; this file
-only moves data between the roles.
+checkpoint, then one iteration per step. Algorithm maths lives in rollout/algorithms, and what
+sets one kind apart in rollout.runtime.online.algorithms; this file only moves data between the
+roles.
 """
 
 from __future__ import annotations
