@@ -125,7 +125,7 @@ def mean_tokens(job: Job) -> float:
     from transformers import AutoTokenizer
 
     from rollout.planner.samples import SampleRules
-    from rollout.runtime.offline_data import HfTextTokenizer
+    from rollout.runtime.offline.data import HfTextTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(job.model_dir)
     eos = json.loads((Path(job.model_dir) / "generation_config.json").read_text())["eos_token_id"]
