@@ -189,10 +189,10 @@ def run_rollout(job: Job, workdir: Path, log: Path) -> Side:
     print("rollout:", " ".join(command), flush=True)
     process = run_measured(command, log)
 
-    from rollout.planner.definition import Plan
+    from rollout.planner.lockfile import read_plan
 
     (plan_path,) = (workdir / "rollout-runs").glob("*/plan.lock")
-    series = read_rollout_metrics(Plan.from_file(str(plan_path), check_fresh=False))
+    series = read_rollout_metrics(read_plan(plan_path, check_fresh=False))
     timed = {name: values[job.warmup :] for name, values in series.items()}
     return Side(
         name="rollout",

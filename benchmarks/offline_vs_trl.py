@@ -125,7 +125,7 @@ def mean_tokens(job: Job) -> float:
     from transformers import AutoTokenizer
 
     from rollout.planner.samples import SampleRules
-    from rollout.runtime.offline_data import HfTextTokenizer
+    from rollout.runtime.offline.data import HfTextTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(job.model_dir)
     eos = json.loads((Path(job.model_dir) / "generation_config.json").read_text())["eos_token_id"]
@@ -186,11 +186,11 @@ def run_rollout(job: Job, workdir: Path, log: Path) -> Side:
     print("rollout:", " ".join(command), flush=True)
     process = run_measured(command, log)
 
-    from rollout.planner.definition import Plan
+    from rollout.planner.lockfile import read_plan
     from rollout.storage import open_store
 
     (plan_path,) = (workdir / "runs").glob(f"bench-{job.kind}-*/plan.lock")
-    plan = Plan.from_file(str(plan_path), check_fresh=False)
+    plan = read_plan(plan_path, check_fresh=False)
     store = open_store(plan.derived.store, create=False)
     try:
         rows = sorted(store.metrics(plan.run_id, ["perf/step_s"]), key=lambda m: m.step)

@@ -83,8 +83,8 @@ def _grouped(rewards: Tensor, group_size: int) -> Tensor:
 # Per-token advantages (PPO, REINFORCE++)
 #
 # Shapes: [B, T] with each row's completion in its LAST columns (the learner's layout, see
-# rollout.runtime.batch.PaddedBatch): column T - 1 is every row's final token, and mask [B, T]
-# marks the real tokens. Values at masked positions are ignored and come back as 0.
+# rollout.runtime.online.batches.PaddedBatch): column T - 1 is every row's final token, and
+# mask [B, T] marks the real tokens. Values at masked positions are ignored and come back as 0.
 
 
 def kl_shaped_rewards(

@@ -22,7 +22,7 @@ from rollout.config import load_config
 from rollout.config.algorithm import ONLINE_KINDS, PAIRED_PREFERENCE_KINDS
 from rollout.config.rewards import RewardSpec
 from rollout.config.root import RunConfig
-from rollout.config.rules import needed_fields
+from rollout.config.rules import kl_in_reward, needed_fields
 from rollout.errors import ConfigError, Issue, PlanError, RolloutError
 from rollout.fingerprints import sha256_file
 from rollout.planner.definition import (
@@ -46,6 +46,7 @@ from rollout.planner.memory import (
     check_fits,
     estimate_memory,
     generation_shape,
+    keeps_reference_model,
     vllm_share_issues,
 )
 from rollout.planner.placement import build_graph
@@ -483,6 +484,10 @@ def _learner_count(graph: Graph) -> int:
     return next(len(r.ranks) for r in graph.roles if r.role == "learner")
 
 
+def _actor_count(graph: Graph) -> int:
+    return next(len(r.ranks) for r in graph.roles if r.role == "actor")
+
+
 # --- derived values ----------------------------------------------------------------------------
 
 
@@ -493,18 +498,27 @@ def _derive(
     run_dir = Path(config.run.output_dir).resolve() / run_id
     learners = _learner_count(graph)
     if algo.kind in ONLINE_KINDS:
+        gen = config.generation
         minibatch = algo.minibatch_size or algo.rollout_batch_size
         prompts_per_step = algo.rollout_batch_size // algo.num_generations
+        # Each actor process takes an equal share (_learner_split_issues checked that it can).
+        prompts_per_rank = prompts_per_step // _actor_count(graph)
         optimizer_steps = algo.rollout_batch_size // minibatch * algo.update_epochs
         total_steps = algo.max_steps
-        max_len = config.generation.max_prompt_tokens + config.generation.max_new_tokens
+        total_optimizer_steps = total_steps * optimizer_steps
+        max_len = gen.max_prompt_tokens + gen.max_new_tokens
+        in_reward = kl_in_reward(config)
+        # Greedy sampling has no temperature to score at: the learner scores at 1.
+        logprob_temperature = gen.temperature if gen.temperature > 0 else 1.0
     else:
         minibatch = algo.batch_size
-        prompts_per_step = optimizer_steps = None
+        prompts_per_step = prompts_per_rank = optimizer_steps = None
+        in_reward = logprob_temperature = None
         train = next(f for f in data if f.split == "train")
         total_steps = math.ceil(train.num_records / algo.batch_size) * algo.epochs
         if algo.max_steps is not None:
             total_steps = min(total_steps, algo.max_steps)
+        total_optimizer_steps = total_steps  # one optimizer step per step
         max_len = algo.max_length
     micro = algo.micro_batch_size or max(1, minibatch // learners)
     per_rank = max(1, minibatch // learners)
@@ -516,12 +530,19 @@ def _derive(
         threads_per_process=config.cluster.threads_per_process
         or max(1, hardware.cpu_count // config.cluster.nproc_per_node),
         prompts_per_step=prompts_per_step,
+        prompts_per_rank=prompts_per_rank,
         minibatch_size=minibatch,
+        minibatch_per_rank=per_rank,
         micro_batch_size=micro,
         grad_accumulation=max(1, per_rank // micro),
         optimizer_steps_per_step=optimizer_steps,
         total_steps=total_steps,
+        total_optimizer_steps=total_optimizer_steps,
         max_sequence_length=max_len,
+        kl_in_reward=in_reward,
+        keeps_reference_model=keeps_reference_model(config),
+        logprob_temperature=logprob_temperature,
+        evaluates=config.data.eval is not None and any(f.split == "eval" for f in data),
     )
 
 

@@ -19,7 +19,8 @@ from rollout.config.rules import run_rules
 from rollout.plugins.identity import PluginIdentity
 
 FORMAT_VERSION = 2
-"""2: `rewards` (one resolved record per reward) replaced `plugins`."""
+"""2: `rewards` (one resolved record per reward) replaced `plugins`; `derived` carries what workers used
+to re-derive (per-rank sizes, total optimizer steps, where the KL goes, the reference, evaluation)."""
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 """A run id names a directory and a store row: no '/', no whitespace, never '.' or '..'."""
@@ -175,12 +176,35 @@ class Derived(Frozen):
     artifacts: str
     threads_per_process: Count
     prompts_per_step: Count | None = None
+    prompts_per_rank: Count | None = Field(
+        default=None, description="Prompts each actor process takes per step (online kinds)."
+    )
     minibatch_size: Count
+    minibatch_per_rank: Count = Field(
+        description="Sequences (online) or samples (offline) of each minibatch per learner process."
+    )
     micro_batch_size: Count
     grad_accumulation: Count
     optimizer_steps_per_step: Count | None = None
     total_steps: Count
+    total_optimizer_steps: Count = Field(
+        description="Optimizer steps of the whole run: the learning-rate schedule's length."
+    )
     max_sequence_length: Count
+    kl_in_reward: bool | None = Field(
+        default=None,
+        description="Online kinds: whether the KL to the reference goes into the token rewards "
+        "(REINFORCE++, PPO with kl_penalty = 'reward') rather than the loss.",
+    )
+    keeps_reference_model: bool = Field(
+        description="Whether a frozen copy of the policy is held beside it through training."
+    )
+    logprob_temperature: float | None = Field(
+        default=None,
+        description="Online kinds: the temperature the learner scores completions at, the "
+        "sampling temperature (1 for greedy sampling).",
+    )
+    evaluates: bool = Field(description="Whether the run evaluates on a held-out split.")
 
 
 class Versions(Frozen):

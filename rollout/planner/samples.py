@@ -133,7 +133,7 @@ class SampleRules:
     def generation_prompt(self, record: Mapping[str, Any]) -> list[int]:
         """The prompt an online algorithm (GRPO, RLOO, PPO, REINFORCE++) generates from.
 
-        The worker (rollout.runtime.actor.PromptFormat) takes the field's value as text, so a
+        The worker (rollout.runtime.online.actor.PromptFormat) takes the field's value as text, so a
         non-string value is counted as its str(), and renders it as one user turn.
         """
         value = self._value(record, "prompt")

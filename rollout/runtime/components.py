@@ -1,21 +1,17 @@
-"""Building the pieces a worker needs from its plan: optimizer, schedule, rewards, data."""
+"""Building the pieces a worker needs from its plan: optimizer, schedule, rewards."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from rollout.harness.reward_contract import RewardFunction, describe
 from rollout.planner.definition import ModelRewardRecord, Plan, RewardRecord
 from rollout.plugins.resolve import load_plugin
-from rollout.runtime.data import PromptStream, load_records
-
-if TYPE_CHECKING:
-    from rollout.runtime.worker import WorkerContext
 
 
 def build_optimizer(
@@ -102,25 +98,3 @@ def _reward_callable(record: RewardRecord, device: str) -> Callable[..., Any]:
 
         return ModelReward(Path(record.directory), device=device)
     return load_plugin(record.plugin)
-
-
-def load_data(ctx: WorkerContext) -> tuple[PromptStream, list[dict[str, Any]]]:
-    """This rank's training stream and its shard of the evaluation set."""
-    plan = ctx.plan
-    facts = {f.split: f for f in plan.data}
-    sources = {"train": plan.config.data.train, "eval": plan.config.data.eval}
-    train = load_records(facts["train"].location, facts["train"].format, sources["train"].limit)
-    stream = PromptStream(
-        train,
-        seed=plan.seeds.data,
-        shuffle=plan.config.data.shuffle,
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-    )
-    eval_rows: list[dict[str, Any]] = []
-    if "eval" in facts and sources["eval"] is not None:
-        everything = load_records(
-            facts["eval"].location, facts["eval"].format, sources["eval"].limit
-        )
-        eval_rows = [dict(r) for r in everything[ctx.rank :: ctx.world_size]]
-    return stream, eval_rows

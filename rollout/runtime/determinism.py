@@ -3,8 +3,8 @@
 A worker calls make_deterministic once, before it builds anything. What it fixes, and why:
 
 - torch's deterministic algorithms. The learner's shared-prefix forward
-  (rollout.runtime.shared_prefix) repeats each prompt's logits and keys and values across the
-  rows that share it (`x[rows]`, rows like [0, 0, 0, 0]). The backward of that indexing is an
+  (rollout.runtime.online.shared_prefix) repeats each prompt's logits and keys and values across
+  the rows that share it (`x[rows]`, rows like [0, 0, 0, 0]). The backward of that indexing is an
   index_put_ with accumulate=True, which torch runs on the CPU with two or more threads as atomic
   float adds from every thread: the order of the adds, hence the last bits of the gradient,
   depends on how the threads happen to be scheduled. One such step was enough for two runs of one

@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-
-from rollout.runtime.checkpoint import rng_state
-from rollout.runtime.transport import all_gather_json
+from rollout.runtime import transport
 
 progress = logging.getLogger("rollout.progress")
 
 if TYPE_CHECKING:
     from rollout.planner.definition import Plan
-    from rollout.runtime.worker import WorkerContext
+    from rollout.runtime.context import WorkerContext
     from rollout.storage.writer import BackgroundWriter
 
 
@@ -37,7 +33,7 @@ def record_metrics(
     # checkpoint, and a collective that only some ranks enter would hang.
     if ctx.world_size > 1:
         names = sorted(values)
-        totals = _sum_over_ranks([values[n] for n in names])
+        totals = transport.sum_metrics([values[n] for n in names])
         values = {name: total / ctx.world_size for name, total in zip(names, totals, strict=True)}
     # A stop already asked for checkpoints this step next: its metrics belong with it.
     if ctx.is_main and (records_step(ctx.plan, step) or ctx.stop.is_set()):
@@ -91,29 +87,8 @@ def record_means(
     names = sorted(sums)
     totals = [sums[n] for n in names] + [float(count)]
     if ctx.world_size > 1:
-        totals = _sum_over_ranks(totals)
+        totals = transport.sum_metrics(totals)
     *totals, samples = totals
     means = {name: total / max(1.0, samples) for name, total in zip(names, totals, strict=True)}
     if ctx.is_main:
         writer.write_metrics(ctx.plan.run_id, step, means)
-
-
-def _sum_over_ranks(values: list[float]) -> list[float]:
-    """Element-wise sums of every rank's `values` (the same length everywhere); collective."""
-    stacked = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(stacked)
-    return stacked.tolist()
-
-
-def gather_by_rank(ctx: WorkerContext, value: Any) -> dict[str, Any]:
-    """Every rank's `value` (JSON data), keyed by rank as a string; collective."""
-    if ctx.world_size == 1:
-        return {"0": value}
-    return {str(rank): item for rank, item in enumerate(all_gather_json(value))}
-
-
-def gather_rng(ctx: WorkerContext) -> dict[str, Any]:
-    """Every rank's RNG states but rank 0's (a checkpoint's own RNG files hold those)."""
-    if ctx.world_size == 1:
-        return {}
-    return {rank: state for rank, state in gather_by_rank(ctx, rng_state()).items() if rank != "0"}

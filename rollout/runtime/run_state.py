@@ -16,20 +16,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
+from rollout.runtime import transport
 from rollout.runtime.checkpoint import (
     Extra,
     latest_checkpoint,
     load_checkpoint,
+    rng_state,
     save_checkpoint,
     set_rng_state,
 )
 from rollout.runtime.data import PromptStream
-from rollout.runtime.recording import gather_by_rank, gather_rng
 
 if TYPE_CHECKING:
-    from rollout.runtime.worker import WorkerContext
+    from rollout.runtime.context import WorkerContext
     from rollout.storage.writer import BackgroundWriter
 
 log = logging.getLogger("rollout.checkpoint")
@@ -84,7 +84,7 @@ class RunState:
             writer.write_checkpoint(ctx.plan.run_id, step, str(path))
             log.info("checkpoint %s", path)
         if ctx.world_size > 1:
-            dist.barrier()
+            transport.wait_for_every_rank()
 
     def resume(self, ctx: WorkerContext) -> dict[str, Any] | None:
         """Restore the latest complete checkpoint, if any, and return its trainer state (its
@@ -117,3 +117,17 @@ class RunState:
                 set_rng_state(rng[str(ctx.rank)])
         log.info("resumed from %s at step %d", latest, state["step"])
         return state
+
+
+def gather_by_rank(ctx: WorkerContext, value: Any) -> dict[str, Any]:
+    """Every rank's `value` (JSON data), keyed by rank as a string; collective."""
+    if ctx.world_size == 1:
+        return {"0": value}
+    return {str(rank): item for rank, item in enumerate(transport.gather_state(value))}
+
+
+def gather_rng(ctx: WorkerContext) -> dict[str, Any]:
+    """Every rank's RNG states but rank 0's (a checkpoint's own RNG files hold those)."""
+    if ctx.world_size == 1:
+        return {}
+    return {rank: state for rank, state in gather_by_rank(ctx, rng_state()).items() if rank != "0"}

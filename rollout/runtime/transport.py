@@ -1,21 +1,108 @@
-"""Moving small control data between ranks without pickle.
+"""Everything that travels between ranks, and the process group it travels in.
 
-torch.distributed's *_object collectives pickle their payload; a worker must never unpickle bytes
-from another process. Control data (cursors, flags) is small and JSON-able, so it travels as UTF-8
-JSON in uint8 tensors instead.
+Every torch.distributed call of the runtime is here, named after what moves: gradients (averaged
+before an optimizer step), metrics and token counts (summed or averaged over ranks), a batch's
+per-record values (gathered), and small state (data cursors, RNG states, shares of the reference
+log-probs). This is the seam along which actor and learner will be split into processes of their
+own.
+
+Two kinds of calls. Those that take a step's tensors (gradients, token counts, batch values) ask
+the process group whether there are several ranks (`several_ranks`) and do nothing with one.
+Those a loop calls with the plan's world size in hand (metrics, state, the barrier) are
+collectives every rank must enter: the caller calls them only when its world has several ranks.
+
+State never travels pickled (torch.distributed's *_object collectives pickle their payload, and a
+worker must never unpickle bytes from another process): it is small and JSON-able, so it travels
+as UTF-8 JSON in uint8 tensors.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+# --- the process group ---------------------------------------------------------------------------
 
-def all_gather_json(value: Any) -> list[Any]:
-    """Every rank's ``value``, in rank order (JSON-able values only)."""
+
+def join_process_group(world_size: int, backend: str) -> None:
+    """Join the run's ranks (torchrun's environment says where they meet); one rank joins none."""
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=backend)
+
+
+def leave_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def several_ranks() -> bool:
+    """Whether this process is one of several ranks in a process group."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def wait_for_every_rank() -> None:
+    """Return once every rank got here (collective)."""
+    dist.barrier()
+
+
+# --- gradients -----------------------------------------------------------------------------------
+
+
+def average_gradients(params: Iterable[torch.Tensor]) -> None:
+    """Replace each parameter's gradient by its mean over ranks (in place; every rank passes the
+    same parameters in the same order). Parameters without a gradient are left alone."""
+    if not several_ranks():
+        return
+    world = dist.get_world_size()
+    for param in params:
+        if param.grad is not None:
+            dist.all_reduce(param.grad)
+            param.grad /= world
+
+
+# --- metrics and counts --------------------------------------------------------------------------
+
+
+def sum_metrics(values: list[float]) -> list[float]:
+    """Element-wise sums of every rank's `values` (the same length everywhere); collective."""
+    stacked = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(stacked)
+    return stacked.tolist()
+
+
+def average_token_count(tokens: float) -> float:
+    """The mean over ranks of each rank's `tokens` (this rank's alone without ranks): gradients
+    are averaged over ranks, so dividing each rank's sum by the mean count makes the average the
+    token mean over every rank's tokens."""
+    if not several_ranks():
+        return tokens
+    count = torch.tensor([tokens], dtype=torch.float64)
+    dist.all_reduce(count)
+    return count.item() / dist.get_world_size()
+
+
+# --- batches -------------------------------------------------------------------------------------
+
+
+def gather_batch(values: torch.Tensor) -> torch.Tensor:
+    """Every rank's [N] values of its share of a batch, concatenated in rank order (this rank's
+    alone without ranks)."""
+    if not several_ranks():
+        return values
+    parts = [torch.empty_like(values) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, values.contiguous())
+    return torch.cat(parts)
+
+
+# --- state ---------------------------------------------------------------------------------------
+
+
+def gather_state(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order (JSON-able values only); collective."""
     payload = torch.tensor(list(json.dumps(value).encode()), dtype=torch.uint8)
     world = dist.get_world_size()
     sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world)]

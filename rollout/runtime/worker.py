@@ -16,9 +16,7 @@ import os
 import signal
 import sys
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
-from threading import Event
 from typing import TYPE_CHECKING
 
 from rollout.config.algorithm import OFFLINE_KINDS
@@ -28,36 +26,12 @@ from rollout.planner.definition import Plan
 from rollout.planner.lockfile import read_plan
 from rollout.redact import redact_text
 from rollout.runtime.activity import Activity, activity_file
+from rollout.runtime.context import WorkerContext
 
 if TYPE_CHECKING:
     from rollout.storage.writer import BackgroundWriter
 
 log = logging.getLogger("rollout.worker")
-
-
-@dataclass
-class WorkerContext:
-    """What a worker knows about itself: its plan, its place, and whether it should stop."""
-
-    plan: Plan
-    rank: int
-    local_rank: int
-    world_size: int
-    stop: Event = field(default_factory=Event)
-    activity: Activity | None = None
-    """Where this worker is (step, plugin), for the host to report if it dies without a word."""
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def device(self) -> str:
-        return self.plan.graph.processes[self.rank].device
-
-    @property
-    def roles(self) -> list[str]:
-        return self.plan.graph.processes[self.rank].roles
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,9 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _setup_torch(context)
         if plan.config.algorithm.kind in OFFLINE_KINDS:
-            from rollout.runtime.offline import train
+            from rollout.runtime.offline.loop import train
         else:
-            from rollout.runtime.trainer import train
+            from rollout.runtime.online.trainer import train
 
         train(context, writer)
         return 0
@@ -148,7 +122,6 @@ def _configure_logging(handler: logging.Handler, plan: Plan) -> None:
 
 def _setup_torch(context: WorkerContext) -> None:
     import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(context.plan.derived.threads_per_process)
     from rollout.runtime.determinism import make_deterministic  # same plan, same run
@@ -159,17 +132,17 @@ def _setup_torch(context: WorkerContext) -> None:
     transformers_logging.disable_progress_bar()
     if context.device.startswith("cuda"):
         torch.cuda.set_device(context.local_rank)
-    if context.world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=context.plan.graph.backend)
+    from rollout.runtime import transport
+
+    transport.join_process_group(context.world_size, context.plan.graph.backend)
 
 
 def _teardown_torch() -> None:
-    if "torch" not in sys.modules:
+    if "torch" not in sys.modules:  # it never started: nothing to leave, and no torch to import
         return
-    import torch.distributed as dist
+    from rollout.runtime import transport
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    transport.leave_process_group()
 
 
 if __name__ == "__main__":

@@ -285,7 +285,7 @@ def test_weights_of_another_architecture_are_refused(tmp_path: Path, tokenizer):
 
 def test_a_critic_saved_beside_the_policy_round_trips(tmp_path: Path, tokenizer):
     from rollout.runtime.checkpoint import Extra
-    from rollout.runtime.critic import value_model_for
+    from rollout.runtime.online.critic import value_model_for
 
     policy = tiny_model(0)
     critic = value_model_for(policy, separate=True)
@@ -397,7 +397,7 @@ def test_every_rank_resumes_its_cursor_and_its_own_rng(tmp_path: Path, tokenizer
         module, "gather_by_rank", lambda ctx, value: {"0": value, "1": ranks[1].stream.state_dict()}
     )
     monkeypatch.setattr(module, "gather_rng", lambda ctx: {"1": rank1_rng})
-    monkeypatch.setattr(module.dist, "barrier", lambda: None)
+    monkeypatch.setattr(module.transport.dist, "barrier", lambda: None)
     torch.manual_seed(10)  # rank 0's
     writer = Writer()
     ranks[0].save(rank_context(0, 2), writer, 4, {"policy_version": 4})

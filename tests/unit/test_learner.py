@@ -10,8 +10,8 @@ import torch
 
 from rollout.engines.base import SamplingParams
 from rollout.engines.hf.engine import HfEngine
-from rollout.runtime.batch import RolloutBatch
-from rollout.runtime.learner import Learner, LearnerKnobs
+from rollout.runtime.online.batches import RolloutBatch
+from rollout.runtime.online.learner import Learner, LearnerKnobs
 
 
 def knobs(**changes) -> LearnerKnobs:
@@ -96,7 +96,7 @@ def test_update_moves_probability_toward_positive_advantages(tiny_llama, rollout
 
 def _sequence_logprobs(model, batch: RolloutBatch, pad_id: int) -> torch.Tensor:
     from rollout.algorithms.losses import token_logprobs
-    from rollout.runtime.batch import pad_for_learner
+    from rollout.runtime.online.batches import pad_for_learner
 
     padded = pad_for_learner(batch, pad_id, "cpu")
     with torch.no_grad():
@@ -113,7 +113,7 @@ def _sequence_logprobs(model, batch: RolloutBatch, pad_id: int) -> torch.Tensor:
 def test_shared_prefix_forward_equals_the_plain_forward(tiny_llama, rollout_batch):
     """Each prompt run once for its 4 completions gives the plain forward's log-probs and
     gradients (the batch has two prompts of different lengths and ragged completions)."""
-    from rollout.runtime.shared_prefix import shared_prefix_logprobs, shares_prompts
+    from rollout.runtime.online.shared_prefix import shared_prefix_logprobs, shares_prompts
 
     assert shares_prompts(rollout_batch)
     pad_id = tiny_llama.pad_token_id
@@ -140,7 +140,7 @@ def test_shared_prefix_forward_equals_the_plain_forward(tiny_llama, rollout_batc
 
 def _plain_logprobs(model, batch: RolloutBatch, pad_id: int, temperature: float) -> torch.Tensor:
     from rollout.algorithms.losses import token_logprobs
-    from rollout.runtime.batch import pad_for_learner
+    from rollout.runtime.online.batches import pad_for_learner
 
     padded = pad_for_learner(batch, pad_id, "cpu")
     logits = model(
@@ -203,8 +203,8 @@ def test_the_learner_reports_the_policy_entropy(tiny_llama, rollout_batch):
     """Entropy at each completion token, the same from the shared-prefix forward as from the
     plain one, position by position; train/entropy is its mean over the rows trained on."""
     from rollout.algorithms.losses import entropy_from_logits, masked_mean
-    from rollout.runtime.batch import pad_for_learner
-    from rollout.runtime.shared_prefix import shared_prefix_logprobs
+    from rollout.runtime.online.batches import pad_for_learner
+    from rollout.runtime.online.shared_prefix import shared_prefix_logprobs
 
     model = copy.deepcopy(tiny_llama.model)
     padded = pad_for_learner(rollout_batch, tiny_llama.pad_token_id, "cpu")

@@ -15,9 +15,9 @@ from rollout.planner.builder import build_plan
 from rollout.planner.lockfile import read_plan, write_plan
 from rollout.planner.reward_model import resolve_reward_model
 from rollout.runtime.components import build_reward_functions
-from rollout.runtime.offline_batch import pad_completions
-from rollout.runtime.offline_data import HfTextTokenizer
-from rollout.runtime.offline_objectives import build_reward_model
+from rollout.runtime.offline.batches import pad_completions
+from rollout.runtime.offline.data import HfTextTokenizer
+from rollout.runtime.offline.objectives import build_reward_model
 
 
 @pytest.fixture(scope="module")

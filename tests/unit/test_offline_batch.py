@@ -10,8 +10,8 @@ import torch
 
 from rollout.algorithms.sft import IGNORE, sft_loss
 from rollout.planner.samples import Demonstration
-from rollout.runtime.offline_batch import pack_sequences, pad_completions, pad_sequences
-from rollout.runtime.offline_objectives import sequence_sums
+from rollout.runtime.offline.batches import pack_sequences, pad_completions, pad_sequences
+from rollout.runtime.offline.objectives import sequence_sums
 
 PAD = 0
 

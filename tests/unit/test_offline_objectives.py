@@ -10,13 +10,13 @@ import torch
 
 from rollout.config.algorithm import DpoConfig, IpoConfig, KtoConfig, RmConfig, SftConfig
 from rollout.planner.samples import SampleRules
-from rollout.runtime.offline import CachedReference, LiveReference
-from rollout.runtime.offline_data import HfTextTokenizer, encode_split
-from rollout.runtime.offline_objectives import (
+from rollout.runtime.offline.data import HfTextTokenizer, encode_split
+from rollout.runtime.offline.objectives import (
     OBJECTIVES,
     Context,
     build_reward_model,
 )
+from rollout.runtime.offline.reference import CachedReference, LiveReference
 
 FIELDS = {
     "prompt": "prompt",

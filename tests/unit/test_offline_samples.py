@@ -13,7 +13,7 @@ from rollout.models import builtin
 from rollout.planner.inspect_model import inspect_model
 from rollout.planner.samples import SampleError, SampleRules
 from rollout.planner.tokenizer import load
-from rollout.runtime.offline_data import HfTextTokenizer, encode_split
+from rollout.runtime.offline.data import HfTextTokenizer, encode_split
 
 FIELDS = {
     "prompt": "prompt",

@@ -119,7 +119,7 @@ def test_a_prompt_longer_than_max_prompt_tokens_names_record_length_limit_and_fi
 
 
 def test_the_planner_counts_what_the_worker_encodes(tiny_llama):
-    """The trainer's encode (rollout.runtime.trainer): the chat template over one user turn,
+    """The trainer's encode (rollout.runtime.online.trainer): the chat template over one user turn,
     after the system prompt; without the template, the text with the tokenizer's special tokens."""
     from rollout.models.loading import apply_chat_template
 

@@ -67,7 +67,7 @@ def context(rank: int, world: int, **plan_options) -> SimpleNamespace:
 
 def on_ranks(monkeypatch, calls) -> Writer:
     """Run calls[r](ctx of rank r, writer) on every rank at once; what rank 0 wrote."""
-    monkeypatch.setattr(recording.dist, "all_reduce", ThreadGroup(len(calls)).all_reduce)
+    monkeypatch.setattr(recording.transport.dist, "all_reduce", ThreadGroup(len(calls)).all_reduce)
     writer = Writer()
     with ThreadPoolExecutor(len(calls)) as pool:
         futures = [
@@ -124,8 +124,8 @@ def test_one_rank_needs_no_collective():
 def test_evaluate_returns_sums_and_the_number_of_rows(rows):
     from rollout.harness.reward_contract import describe
     from rollout.harness.reward_runner import RewardRunner
-    from rollout.runtime.actor import PromptFormat
-    from rollout.runtime.evaluate import evaluate
+    from rollout.runtime.online.actor import PromptFormat
+    from rollout.runtime.online.evaluate import evaluate
 
     class Engine:
         def generate(self, prompts, params):
@@ -185,7 +185,7 @@ def test_skipped_steps_still_reduce_on_every_rank(monkeypatch):
     def rank1(ctx, w):
         record_metrics(ctx, w, 3, {"train/loss": 3.0})
 
-    monkeypatch.setattr(recording.dist, "all_reduce", ThreadGroup(2).all_reduce)
+    monkeypatch.setattr(recording.transport.dist, "all_reduce", ThreadGroup(2).all_reduce)
     writer = Writer()
     with ThreadPoolExecutor(2) as pool:
         futures = [

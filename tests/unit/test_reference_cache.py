@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from safetensors import safe_open
 
-from rollout.runtime.reference_cache import cached_reference
+from rollout.runtime.offline.reference_cache import cached_reference
 
 KEY = {"format_version": "1", "model_fingerprint": "aaa", "data_fingerprints": "train:1"}
 SPLITS = {"train": 5, "eval": 2}

@@ -130,6 +130,28 @@ def test_algorithms_engines_harness_never_see_config_objects():
             assert not any(n.startswith("rollout.config") for n in _imports(path)), path
 
 
+def test_only_the_transport_talks_to_other_ranks():
+    """Every collective goes through rollout/runtime/transport.py, the seam between ranks
+    (torch.distributed.run, which launches the ranks, talks to none of them)."""
+    talking = [
+        str(path.relative_to(REPO))
+        for path in PACKAGE.rglob("*.py")
+        if path != PACKAGE / "runtime" / "transport.py"
+        and any(
+            n.split(".")[:2] == ["torch", "distributed"] and n != "torch.distributed.run"
+            for n in _imports(path)
+        )
+    ]
+    assert not talking, talking
+
+
+def test_the_online_and_offline_loops_do_not_import_each_other():
+    for loop, other in (("online", "offline"), ("offline", "online")):
+        for path in _modules(f"runtime/{loop}"):
+            wrong = [n for n in _imports(path) if n.startswith(f"rollout.runtime.{other}")]
+            assert not wrong, f"{path.relative_to(REPO)} imports {wrong}"
+
+
 def test_every_module_imports():
     for info in pkgutil.walk_packages(rollout.__path__, "rollout."):
         if not info.name.endswith("__main__"):  # running it is its job; importing it would too

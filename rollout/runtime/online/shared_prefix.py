@@ -20,7 +20,7 @@ from transformers import DynamicCache
 
 from rollout.algorithms.losses import entropy_from_logits, token_logprobs
 from rollout.engines.base import cache_keyword
-from rollout.runtime.batch import RolloutBatch
+from rollout.runtime.online.batches import RolloutBatch
 
 
 def shares_prompts(batch: RolloutBatch) -> bool:

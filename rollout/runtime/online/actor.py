@@ -12,7 +12,7 @@ import torch
 
 from rollout.engines.base import Completion, Engine, SamplingParams
 from rollout.harness.reward_runner import RewardRunner
-from rollout.runtime.batch import RolloutBatch
+from rollout.runtime.online.batches import RolloutBatch
 
 Row = Mapping[str, Any]
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from rollout.engines.base import Engine, SamplingParams
 from rollout.harness.reward_runner import RewardRunner
-from rollout.runtime.actor import PromptFormat
+from rollout.runtime.online.actor import PromptFormat
 
 
 def evaluate(

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from rollout.algorithms.losses import entropy_from_logits, grpo_loss, token_logprobs
-from rollout.runtime.batch import PaddedBatch, RolloutBatch, pad_for_learner
-from rollout.runtime.critic import Critic
-from rollout.runtime.shared_prefix import (
+from rollout.runtime import transport
+from rollout.runtime.online.batches import PaddedBatch, RolloutBatch, pad_for_learner
+from rollout.runtime.online.critic import Critic
+from rollout.runtime.online.shared_prefix import (
     shared_prefix_logprobs,
     shares_prompts,
     supports_shared_prefix,
@@ -110,10 +110,10 @@ class Learner:
                 metrics[name] += value / len(computed)
         metrics["skipped_fraction"] = skipped / len(minibatch)
         self._fill_missing_gradients()
-        self._average_gradients(self._trained_parameters())
+        transport.average_gradients(self._trained_parameters())
         metrics["grad_norm"] = self._clip()
         if self.critic is not None and not self.critic.shares_policy:
-            self._average_gradients(list(self.critic.model.parameters()))
+            transport.average_gradients(list(self.critic.model.parameters()))
             metrics["critic_grad_norm"] = self.critic.step()
         self.optimizer.step()
         # Gradients are dead weight until the next backward: freed now, the generation that
@@ -178,7 +178,7 @@ class Learner:
         self, model: torch.nn.Module, micro: RolloutBatch, padded: PaddedBatch
     ) -> torch.Tensor:
         """[B, K] log-probs of the completion tokens; vocabulary logits only where needed, and
-        a prompt shared by several completions run once (rollout.runtime.shared_prefix)."""
+        a prompt shared by several completions run once (rollout.runtime.online.shared_prefix)."""
         return self._scores(model, micro, padded, entropy=False)
 
     def _scores(
@@ -211,24 +211,13 @@ class Learner:
         batch_token_mean, the minibatch across every data-parallel rank (divided by the ranks,
         since their gradients are averaged)."""
         tokens = float(minibatch.num_completion_tokens)
-        if self.knobs.loss_aggregation == "batch_token_mean" and _distributed():
-            count = torch.tensor([tokens], dtype=torch.float64)
-            dist.all_reduce(count)
-            tokens = count.item() / dist.get_world_size()
+        if self.knobs.loss_aggregation == "batch_token_mean":
+            tokens = transport.average_token_count(tokens)
         return max(1.0, tokens)
 
     def _trained_parameters(self) -> list[torch.Tensor]:
         """What the optimizer steps: the policy's parameters, and a value head's with them."""
         return [p for group in self.optimizer.param_groups for p in group["params"]]
-
-    def _average_gradients(self, params: list[torch.Tensor]) -> None:
-        if not _distributed():
-            return
-        world = dist.get_world_size()
-        for param in params:
-            if param.grad is not None:
-                dist.all_reduce(param.grad)
-                param.grad /= world
 
     def _clip(self) -> float:
         params = [p for p in self._trained_parameters() if p.grad is not None]
@@ -245,7 +234,3 @@ def _accumulating(mode: str, micro_size: int, minibatch_size: int) -> tuple[str,
     if mode == "sequence_mean":
         return mode, micro_size / minibatch_size
     return mode, 1.0  # batch_token_mean and constant already take whole-batch counts
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

@@ -2,8 +2,9 @@
 checkpoint.
 
 It reads top to bottom: build the roles from the plan, resume from the latest complete
-checkpoint, then one iteration per step. Algorithm maths lives in rollout/algorithms; this file
-only moves data between the roles.
+checkpoint, then one iteration per step. Algorithm maths lives in rollout/algorithms, and what
+sets one kind apart in rollout.runtime.online.algorithms; this file only moves data between the
+roles.
 """
 
 from __future__ import annotations
@@ -14,34 +15,29 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rollout.algorithms.advantages import ADVANTAGE_ESTIMATORS
-from rollout.config.rules import kl_in_reward
 from rollout.engines.base import Engine, SamplingParams
 from rollout.engines.build import build_engine
 from rollout.engines.hf.engine import HfEngine
 from rollout.harness.reward_runner import RewardRunner
-from rollout.models.loading import apply_chat_template, load_model
-from rollout.runtime.actor import Actor, PromptFormat
+from rollout.models.loading import LoadedModel, apply_chat_template, load_model
+from rollout.planner.definition import Plan
 from rollout.runtime.checkpoint import Extra
-from rollout.runtime.components import (
-    build_optimizer,
-    build_reward_functions,
-    build_scheduler,
-    load_data,
-)
-from rollout.runtime.critic import Critic, value_model_for
-from rollout.runtime.evaluate import evaluate
-from rollout.runtime.learner import Learner, LearnerKnobs
+from rollout.runtime.components import build_optimizer, build_reward_functions, build_scheduler
+from rollout.runtime.context import WorkerContext
+from rollout.runtime.online.actor import Actor, PromptFormat
+from rollout.runtime.online.algorithms import ALGORITHMS, OnlineAlgorithm
+from rollout.runtime.online.critic import Critic, value_model_for
+from rollout.runtime.online.evaluate import evaluate
+from rollout.runtime.online.learner import Learner, LearnerKnobs
+from rollout.runtime.online.prompts import load_data
+from rollout.runtime.online.shaping import Scoring, TokenAdvantages
 from rollout.runtime.recording import record_means, record_metrics
 from rollout.runtime.run_state import RunState
-from rollout.runtime.shaping import TokenAdvantages
-from rollout.runtime.worker import WorkerContext
 from rollout.seeds import derive_seed
 from rollout.storage.writer import BackgroundWriter
 
@@ -82,7 +78,7 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
     stream, eval_rows = load_data(ctx)
     # Every rank evaluates (a collective) when the run has an eval split, even a rank whose share
     # of it is empty.
-    evaluates = config.data.eval is not None and any(f.split == "eval" for f in plan.data)
+    evaluates = plan.derived.evaluates
     checkpoints = RunState(
         plan.derived.artifacts,
         roles.learner.model,
@@ -92,8 +88,6 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
         stream,
         roles.extras(),
     )
-    prompts_per_rank = plan.derived.prompts_per_step // ctx.world_size
-
     start = 0
     resumed = checkpoints.resume(ctx)
     if resumed is not None:
@@ -111,7 +105,7 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
         started = time.perf_counter()
         if ctx.activity is not None:
             ctx.activity.at_step(step)
-        rows = stream.take(prompts_per_rank)
+        rows = stream.take(plan.derived.prompts_per_rank)
         log.debug("step %d prompts %s", step, ",".join(f"{r.epoch}:{r.index}" for r in rows))
         seed = derive_seed(plan.seeds.sampling, f"{step}:{ctx.rank}")
         rollout = roles.actor.rollout([r.record for r in rows], seed=seed)
@@ -154,8 +148,31 @@ def _evaluate(
 
 
 def _build_roles(ctx: WorkerContext) -> Roles:
+    """Every role of this rank, built in an order that draws the same random numbers each run."""
+    plan = ctx.plan
+    kind = ALGORITHMS[plan.config.algorithm.kind]
+    loaded, model = _load_policy(ctx)
+    engine = _build_engine(ctx, loaded, model)
+    prompt_format = _prompt_format(plan.config, loaded)
+    actor = _build_actor(ctx, engine, prompt_format, kind)
+    # The reference is the policy as it starts: copied before any checkpoint is loaded.
+    reference = _frozen_copy(model) if plan.derived.keeps_reference_model else None
+    critic = None
+    if kind.critic:
+        critic = _build_critic(model, plan.config.algorithm, plan.derived.total_optimizer_steps)
+    learner = _build_learner(ctx, model, loaded.pad_token_id, reference, critic)
+    return Roles(
+        actor=actor,
+        learner=learner,
+        engine=engine,
+        tokenizer=loaded.tokenizer,
+        prompt_format=prompt_format,
+        token_advantages=_token_advantages(ctx.plan, kind, learner, reference),
+    )
+
+
+def _load_policy(ctx: WorkerContext) -> tuple[LoadedModel, torch.nn.Module]:
     plan, config = ctx.plan, ctx.plan.config
-    algo, gen = config.algorithm, config.generation
     loaded = load_model(
         plan.model,
         config.model,
@@ -166,7 +183,10 @@ def _build_roles(ctx: WorkerContext) -> Roles:
     model = loaded.model.to(ctx.device)
     if config.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    engine = _build_engine(ctx, loaded, model)
+    return loaded, model
+
+
+def _prompt_format(config: Any, loaded: LoadedModel) -> PromptFormat:
     fields = config.data.fields.model_dump()
 
     def encode(text: str) -> list[int]:
@@ -176,16 +196,23 @@ def _build_roles(ctx: WorkerContext) -> Roles:
             )
         return loaded.tokenizer.encode(text, add_special_tokens=True)
 
-    prompt_format = PromptFormat(
+    return PromptFormat(
         encode=encode,
         prompt_field=fields["prompt"],
         role_fields={role: field for role, field in fields.items() if field},
     )
-    actor = Actor(
+
+
+def _build_actor(
+    ctx: WorkerContext, engine: Engine, prompt_format: PromptFormat, kind: OnlineAlgorithm
+) -> Actor:
+    plan = ctx.plan
+    algo, gen = plan.config.algorithm, plan.config.generation
+    return Actor(
         engine,
         prompt_format,
         RewardRunner(build_reward_functions(plan), guard=_inside_reward(ctx)),
-        _sequence_advantages(algo),
+        kind.sequence_advantages(algo),
         SamplingParams(
             max_new_tokens=gen.max_new_tokens,
             temperature=gen.temperature,
@@ -195,26 +222,36 @@ def _build_roles(ctx: WorkerContext) -> Roles:
             n=algo.num_generations,
         ),
     )
-    reference = None
-    if algo.kl_coef > 0:
-        # The reference is the policy as it starts: copied before any checkpoint is loaded.
-        reference = copy.deepcopy(model).eval()
-        reference.requires_grad_(False)
-    # PPO's classic KL penalty, and REINFORCE++'s, is part of the token rewards, not the loss.
-    in_reward = kl_in_reward(config)
-    optimizer_steps = plan.derived.total_steps * plan.derived.optimizer_steps_per_step
-    critic = _build_critic(model, algo, optimizer_steps) if algo.kind == "ppo" else None
+
+
+def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    reference = copy.deepcopy(model).eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+def _build_learner(
+    ctx: WorkerContext,
+    model: torch.nn.Module,
+    pad_token_id: int,
+    reference: torch.nn.Module | None,
+    critic: Critic | None,
+) -> Learner:
+    plan = ctx.plan
+    algo, derived = plan.config.algorithm, plan.derived
     head = critic.model.head if critic and critic.shares_policy else None
     optimizer = build_optimizer(
         model, algo, extra=head, extra_lr=algo.critic_lr if head is not None else None
     )
-    learner = Learner(
+    # A KL that goes into the token rewards (_token_advantages) is not in the loss too.
+    in_reward = derived.kl_in_reward
+    return Learner(
         model,
         optimizer,
-        build_scheduler(optimizer, algo, optimizer_steps),
+        build_scheduler(optimizer, algo, derived.total_optimizer_steps),
         LearnerKnobs(
-            minibatch_size=plan.derived.minibatch_size // ctx.world_size,
-            micro_batch_size=plan.derived.micro_batch_size,
+            minibatch_size=derived.minibatch_per_rank,
+            micro_batch_size=derived.micro_batch_size,
             update_epochs=algo.update_epochs,
             clip_ratio_low=algo.clip_ratio_low,
             clip_ratio_high=algo.clip_ratio_high,
@@ -222,38 +259,33 @@ def _build_roles(ctx: WorkerContext) -> Roles:
             kl_estimator=algo.kl_estimator,
             loss_aggregation=algo.loss_aggregation,
             max_grad_norm=algo.max_grad_norm,
-            temperature=gen.temperature if gen.temperature > 0 else 1.0,
-            max_new_tokens=gen.max_new_tokens,
+            temperature=derived.logprob_temperature,
+            max_new_tokens=plan.config.generation.max_new_tokens,
         ),
-        pad_token_id=loaded.pad_token_id,
+        pad_token_id=pad_token_id,
         device=ctx.device,
         reference=None if in_reward else reference,
         critic=critic,
     )
-    token_advantages = None
-    if algo.kind in ("ppo", "reinforce_pp"):
-        token_advantages = TokenAdvantages(
-            kind=algo.kind,
-            logprobs=learner.completion_logprobs,
-            pad_token_id=loaded.pad_token_id,
-            device=ctx.device,
-            reference=reference if in_reward else None,
-            kl_coef=algo.kl_coef,
-            kl_in_reward=in_reward,
-            gamma=algo.gamma,
-            lam=getattr(algo, "lam", 1.0),
-            critic=critic,
-            whiten_advantages=getattr(algo, "whiten_advantages", True),
-            baseline=getattr(algo, "baseline", "none"),
-        )
-    return Roles(
-        actor=actor,
-        learner=learner,
-        engine=engine,
-        tokenizer=loaded.tokenizer,
-        prompt_format=prompt_format,
-        token_advantages=token_advantages,
+
+
+def _token_advantages(
+    plan: Plan, kind: OnlineAlgorithm, learner: Learner, reference: torch.nn.Module | None
+) -> TokenAdvantages | None:
+    """The kind's per-token scorer (PPO, REINFORCE++), scoring with the learner's forward."""
+    if kind.token_advantages is None:
+        return None
+    algo, in_reward = plan.config.algorithm, plan.derived.kl_in_reward
+    scoring = Scoring(
+        logprobs=learner.completion_logprobs,
+        pad_token_id=learner.pad_token_id,
+        device=learner.device,
+        reference=reference if in_reward else None,
+        kl_coef=algo.kl_coef,
+        kl_in_reward=in_reward,
+        critic=learner.critic,
     )
+    return kind.token_advantages(algo, scoring)
 
 
 def _inside_reward(ctx: WorkerContext) -> Callable[[str], Any]:
@@ -297,15 +329,6 @@ def _build_engine(ctx: WorkerContext, loaded, model: torch.nn.Module) -> Engine:
         gpu_memory_utilization=gen.gpu_memory_utilization,
         max_model_len=gen.max_prompt_tokens + gen.max_new_tokens,
     )
-
-
-def _sequence_advantages(algo) -> Callable[[torch.Tensor, int], torch.Tensor]:
-    """The actor's advantage per completion. PPO and REINFORCE++ compute theirs per token
-    afterwards (TokenAdvantages), so the actor's are zeros they replace."""
-    if algo.kind in ADVANTAGE_ESTIMATORS:
-        knobs = {"scale": algo.scale_rewards} if algo.kind == "grpo" else {}
-        return partial(ADVANTAGE_ESTIMATORS[algo.kind], **knobs)
-    return lambda rewards, _group_size: torch.zeros_like(rewards)
 
 
 def _build_critic(model: torch.nn.Module, algo, optimizer_steps: int) -> Critic:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout.algorithms.losses import value_loss
-from rollout.runtime.batch import PaddedBatch
+from rollout.runtime.online.batches import PaddedBatch
 
 
 class ValueModel(torch.nn.Module):

@@ -28,11 +28,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from rollout.runtime.transport import all_gather_json
+from rollout.runtime import transport
 
 if TYPE_CHECKING:
     from rollout.planner.definition import Plan
@@ -107,13 +106,13 @@ def cached_reference(
     if rank == 0:
         _write(path, tensors, key)
     if world_size > 1:
-        dist.barrier()
+        transport.wait_for_every_rank()
     return tensors
 
 
 def _gathered(values: dict[int, float], count: int, world_size: int) -> torch.Tensor:
     if world_size > 1:
-        shares = all_gather_json({str(i): v for i, v in values.items()})
+        shares = transport.gather_state({str(i): v for i, v in values.items()})
         values = {int(i): v for share in shares for i, v in share.items()}
     return torch.tensor([values[i] for i in range(count)], dtype=torch.float32)
 

@@ -5,40 +5,31 @@ in the run directory, or a live reference model), resume from the latest complet
 (rollout.runtime.run_state, as the online loop does), then one optimizer step per batch. Records are dealt as the online loop deals prompts
 (rollout.runtime.data.PromptStream: seeded shuffles, epoch after epoch), so the checkpointed cursor
 resumes without repeating or skipping a batch. What is specific to an objective lives in
-rollout.runtime.offline_objectives and its maths in rollout.algorithms.
+rollout.runtime.offline.objectives and its maths in rollout.algorithms.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from rollout.harness.model_reward import SAMPLE_FORMAT_KEY
 from rollout.models.loading import LoadedModel, load_model
+from rollout.runtime import transport
 from rollout.runtime.components import build_optimizer, build_scheduler
+from rollout.runtime.context import WorkerContext
 from rollout.runtime.data import PromptStream
-from rollout.runtime.offline_batch import CompletionBatch
-from rollout.runtime.offline_data import Split, load_splits
-from rollout.runtime.offline_objectives import (
-    OBJECTIVES,
-    Context,
-    Objective,
-    build_reward_model,
-    sequence_sums,
-)
+from rollout.runtime.offline.data import Split, load_splits
+from rollout.runtime.offline.objectives import OBJECTIVES, Context, Objective, build_reward_model
+from rollout.runtime.offline.reference import build_reference
 from rollout.runtime.recording import record_metrics
-from rollout.runtime.reference_cache import FILE_NAME, cache_key, cached_reference
 from rollout.runtime.run_state import RunState
-from rollout.runtime.worker import WorkerContext
 from rollout.seeds import derive_seed
 from rollout.storage.writer import BackgroundWriter
 
@@ -70,7 +61,7 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
         run.scheduler,
         run.stream,
     )
-    per_rank = plan.derived.minibatch_size // ctx.world_size
+    per_rank = plan.derived.minibatch_per_rank
 
     start = 0
     resumed = checkpoints.resume(ctx)
@@ -121,7 +112,7 @@ def _optimizer_step(ctx: WorkerContext, run: Run, indices: list[int]) -> tuple[d
         tokens += micro_tokens
         for name, value in metrics.items():
             totals[f"train/{name}"] += value
-    _average_gradients(run.model, ctx.world_size)
+    transport.average_gradients(run.model.parameters())
     limit = ctx.plan.config.algorithm.max_grad_norm
     params = [p for p in run.model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, limit if limit is not None else float("inf"))
@@ -178,7 +169,7 @@ def _build(ctx: WorkerContext) -> Run:
     objective = OBJECTIVES[algo.kind](context)
     if objective.streams:
         # Before any checkpoint is loaded: the reference is the model as the run began.
-        context.reference = _reference(ctx, model, objective, train_split, eval_split, context)
+        context.reference = build_reference(ctx, model, objective, train_split, eval_split)
     optimizer = build_optimizer(model, algo)
     return Run(
         model=model,
@@ -194,7 +185,7 @@ def _build(ctx: WorkerContext) -> Run:
             world_size=ctx.world_size,
         ),
         optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, algo, plan.derived.total_steps),
+        scheduler=build_scheduler(optimizer, algo, plan.derived.total_optimizer_steps),
     )
 
 
@@ -215,80 +206,3 @@ def _trainable(kind: str, loaded: LoadedModel, config: Any) -> Any:
     if config.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     return model
-
-
-# --- the reference -------------------------------------------------------------------------------
-
-
-@dataclass
-class CachedReference:
-    """Log-probs looked up by record: tables["{split}.{stream}"] [num_records]."""
-
-    tables: Mapping[str, torch.Tensor]
-
-    def sums(
-        self, split: str, streams: tuple[str, ...], indices: list[int], batch: CompletionBatch
-    ) -> torch.Tensor:
-        rows = torch.tensor(indices)
-        values = torch.cat([self.tables[f"{split}.{stream}"][rows] for stream in streams])
-        return values.to(batch.input_ids.device)
-
-
-@dataclass
-class LiveReference:
-    """A frozen copy of the initial model, run on every batch."""
-
-    model: Any
-
-    def sums(
-        self, split: str, streams: tuple[str, ...], indices: list[int], batch: CompletionBatch
-    ) -> torch.Tensor:
-        with torch.no_grad():
-            return sequence_sums(self.model, batch)
-
-
-def _reference(
-    ctx: WorkerContext,
-    model: Any,
-    objective: Objective,
-    train_split: Split,
-    eval_split: Split | None,
-    context: Context,
-) -> CachedReference | LiveReference:
-    plan = ctx.plan
-    if plan.config.algorithm.reference == "live":
-        reference = copy.deepcopy(model).eval()
-        reference.requires_grad_(False)
-        return LiveReference(reference)
-    splits = {s.name: s for s in (train_split, eval_split) if s is not None}
-
-    def compute(split: str, indices: list[int]) -> dict[str, list[float]]:
-        with torch.no_grad():
-            sums = objective.reference_sums(model, splits[split], indices)
-        return {stream: values.tolist() for stream, values in sums.items()}
-
-    model.eval()
-    tables = cached_reference(
-        Path(plan.derived.run_dir) / FILE_NAME,
-        cache_key(plan),
-        {name: len(split) for name, split in splits.items()},
-        objective.streams,
-        compute,
-        # The chunks evaluation uses: at step 0 the policy then scores margins of exactly 0.
-        chunk_size=plan.derived.micro_batch_size,
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-    )
-    return CachedReference(tables)
-
-
-# --- gradients -----------------------------------------------------------------------------------
-
-
-def _average_gradients(model: Any, world_size: int) -> None:
-    if world_size == 1:
-        return
-    for param in model.parameters():
-        if param.grad is not None:
-            dist.all_reduce(param.grad)
-            param.grad /= world_size

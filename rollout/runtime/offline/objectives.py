@@ -1,8 +1,8 @@
 """The offline objectives behind one interface, looked up by algorithm kind (OBJECTIVES).
 
-The loop (rollout.runtime.offline) asks an objective to split a step's records into micro
+The loop (rollout.runtime.offline.loop) asks an objective to split a step's records into micro
 batches, for each micro batch's loss, and to evaluate a split. The objective turns samples into
-tensors (rollout.runtime.offline_batch), runs the model, and calls the pure maths of
+tensors (rollout.runtime.offline.batches), runs the model, and calls the pure maths of
 rollout.algorithms. Every loss it returns is already weighed by its micro batch's share of the
 step, and so are its metrics: the loop sums them over micro batches (and averages over ranks).
 """
@@ -16,7 +16,6 @@ from functools import partial
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from rollout.algorithms.losses import entropy_from_logits, masked_mean, token_logprobs
 from rollout.algorithms.preference import (
@@ -30,14 +29,15 @@ from rollout.algorithms.reward_model import bradley_terry_loss
 from rollout.algorithms.sft import IGNORE, sft_loss
 from rollout.harness.model_reward import reward_scores
 from rollout.planner.samples import Demonstration, Judged, Pair
-from rollout.runtime.offline_batch import (
+from rollout.runtime import transport
+from rollout.runtime.offline.batches import (
     CompletionBatch,
     TokenBatch,
     pack_sequences,
     pad_completions,
     pad_sequences,
 )
-from rollout.runtime.offline_data import Split
+from rollout.runtime.offline.data import Split
 
 Metrics = dict[str, float]
 
@@ -143,15 +143,6 @@ def _weighted(metrics: Mapping[str, float], share: float) -> Metrics:
     return {name: value * share for name, value in metrics.items()}
 
 
-def _gather(tensor: torch.Tensor) -> torch.Tensor:
-    """Every rank's [N] tensor, concatenated in rank order (this rank's alone without ranks)."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, tensor.contiguous())
-    return torch.cat(parts)
-
-
 # --- DPO and IPO ---------------------------------------------------------------------------------
 
 
@@ -250,7 +241,9 @@ class Kto:
         # micro batches of a step share one reference point, as one pass over the step would.
         with torch.no_grad():
             policy, reference, tokens = self._mismatched(model, split, indices, micro_size)
-        self._z0 = kto_reference_point(_gather(policy), _gather(reference))
+        self._z0 = kto_reference_point(
+            transport.gather_batch(policy), transport.gather_batch(reference)
+        )
         return StepBatches(_split_evenly(indices, micro_size), tokens=tokens)
 
     def loss(self, model, split, micro):
@@ -324,13 +317,8 @@ class Sft:
 
     def step_batches(self, model, split, indices, micro_size):
         samples = [_demonstration(split, i) for i in indices]
-        targets = float(sum(sum(s.targets) for s in samples))
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            # Gradients are averaged over ranks: dividing each rank's sum by the mean count
-            # makes the average the token mean over every rank's tokens.
-            count = torch.tensor([targets], dtype=torch.float64)
-            dist.all_reduce(count)
-            targets = count.item() / dist.get_world_size()
+        # Over every rank's targets: the step's loss is their token mean.
+        targets = transport.average_token_count(float(sum(sum(s.targets) for s in samples)))
         divisor = max(1.0, targets)
         if self.ctx.algo.packing:
             packed = pack_sequences(samples, self.ctx.max_length, self.ctx.pad_id, self.ctx.device)

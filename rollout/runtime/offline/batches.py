@@ -1,0 +1,183 @@
+"""Padding (and packing) offline samples into tensors for one forward pass.
+
+Two layouts:
+
+- ``pad_completions``: prompt + completion rows, LEFT-padded, so every completion ends at the last
+  position (as rollout.runtime.online.batches.PaddedBatch): the logits of the last K + 1
+  positions cover every completion token, and the last position is every row's final token (the
+  reward model reads its score there).
+- ``pad_sequences`` and ``pack_sequences`` (SFT): RIGHT-padded rows with shifted labels, or
+  several samples per row with position ids restarting at each sample and no attention mask, from
+  which transformers builds a block-diagonal causal mask: attention never crosses samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rollout.algorithms.sft import IGNORE
+from rollout.planner.samples import Demonstration
+
+
+@dataclass
+class CompletionBatch:
+    """Shapes: input_ids, attention_mask, position_ids [B, L]; targets and mask [B, K], where
+    position k holds token L - K + k, predicted by the logits at L - K - 1 + k."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    targets: torch.Tensor
+    mask: torch.Tensor
+    tokens: int
+    """Real (not padding) tokens in the batch."""
+
+    @property
+    def logits_to_keep(self) -> int:
+        return self.targets.shape[1] + 1
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def pad_completions(
+    prompts: Sequence[list[int]],
+    completions: Sequence[list[int]],
+    pad_id: int,
+    device: torch.device | str,
+) -> CompletionBatch:
+    rows = [p + c for p, c in zip(prompts, completions, strict=True)]
+    length = max(len(r) for r in rows)
+    longest = max(1, max(len(c) for c in completions))
+    size = len(rows)
+    input_ids = torch.full((size, length), pad_id, dtype=torch.long)
+    attention = torch.zeros((size, length), dtype=torch.long)
+    mask = torch.zeros((size, longest), dtype=torch.bool)
+    for i, (row, completion) in enumerate(zip(rows, completions, strict=True)):
+        input_ids[i, length - len(row) :] = torch.tensor(row)
+        attention[i, length - len(row) :] = 1
+        if completion:
+            mask[i, longest - len(completion) :] = True
+    # Positions count real tokens only, so a left-padded row sees the positions it would alone.
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    return CompletionBatch(
+        input_ids=input_ids.to(device),
+        attention_mask=attention.to(device),
+        position_ids=positions.to(device),
+        targets=input_ids[:, length - longest :].to(device),
+        mask=mask.to(device),
+        tokens=sum(len(r) for r in rows),
+    )
+
+
+@dataclass
+class TokenBatch:
+    """Rows for next-token loss. input_ids, labels [B, L]; labels[b, t] is the token position t
+    predicts, or IGNORE. attention_mask [B, L] when rows are padded, None when every position is
+    real (or rows are packed: then position_ids [B, L] restart at each sample)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    attention_mask: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    row_tokens: list[int]
+    """Real (not padding) tokens in each row."""
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.row_tokens)
+
+    @property
+    def num_targets(self) -> int:
+        return int((self.labels != IGNORE).sum())
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def rows(self, start: int, stop: int) -> TokenBatch:
+        """Rows start..stop-1 (a micro batch)."""
+        part = slice(start, stop)
+        return TokenBatch(
+            input_ids=self.input_ids[part],
+            labels=self.labels[part],
+            attention_mask=None if self.attention_mask is None else self.attention_mask[part],
+            position_ids=None if self.position_ids is None else self.position_ids[part],
+            row_tokens=self.row_tokens[part],
+        )
+
+
+def _labels(sample: Demonstration) -> list[int]:
+    """Position t predicts token t + 1 where that token is a target; the last predicts nothing."""
+    ids, targets = sample.ids, sample.targets
+    return [ids[t + 1] if targets[t + 1] else IGNORE for t in range(len(ids) - 1)] + [IGNORE]
+
+
+def pad_sequences(
+    samples: Sequence[Demonstration], pad_id: int, device: torch.device | str
+) -> TokenBatch:
+    """One sample per row, right-padded."""
+    length = max(s.length for s in samples)
+    input_ids = torch.full((len(samples), length), pad_id, dtype=torch.long)
+    labels = torch.full((len(samples), length), IGNORE, dtype=torch.long)
+    attention = torch.zeros((len(samples), length), dtype=torch.long)
+    for i, sample in enumerate(samples):
+        input_ids[i, : sample.length] = torch.tensor(sample.ids)
+        labels[i, : sample.length] = torch.tensor(_labels(sample))
+        attention[i, : sample.length] = 1
+    padded = bool((attention == 0).any())
+    return TokenBatch(
+        input_ids=input_ids.to(device),
+        labels=labels.to(device),
+        # Without padding the model takes its fast causal path.
+        attention_mask=attention.to(device) if padded else None,
+        position_ids=None,
+        row_tokens=[s.length for s in samples],
+    )
+
+
+def pack_sequences(
+    samples: Sequence[Demonstration], max_length: int, pad_id: int, device: torch.device | str
+) -> TokenBatch:
+    """Samples packed first-fit, in order, into rows of at most ``max_length`` tokens.
+
+    Each sample keeps its own positions 0..n-1 and the seam between samples carries no label, so
+    with attention confined to each sample (transformers reads the restarts in position_ids when
+    no attention mask is given) every sample's loss is what it would be alone. A row's padding
+    forms a sample of its own, with no labels.
+    """
+    rows: list[list[Demonstration]] = []
+    room: list[int] = []
+    for sample in samples:
+        if sample.length > max_length:
+            raise ValueError(f"a sample of {sample.length} tokens exceeds max_length {max_length}")
+        for r, free in enumerate(room):
+            if sample.length <= free:
+                rows[r].append(sample)
+                room[r] -= sample.length
+                break
+        else:
+            rows.append([sample])
+            room.append(max_length - sample.length)
+    length = max(max_length - free for free in room)
+    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), length), IGNORE, dtype=torch.long)
+    positions = torch.zeros((len(rows), length), dtype=torch.long)
+    for r, row in enumerate(rows):
+        start = 0
+        for sample in row:
+            end = start + sample.length
+            input_ids[r, start:end] = torch.tensor(sample.ids)
+            labels[r, start:end] = torch.tensor(_labels(sample))
+            positions[r, start:end] = torch.arange(sample.length)
+            start = end
+        positions[r, start:] = torch.arange(length - start)
+    return TokenBatch(
+        input_ids=input_ids.to(device),
+        labels=labels.to(device),
+        attention_mask=None,
+        position_ids=positions.to(device),
+        row_tokens=[max_length - free for free in room],
+    )

@@ -1,0 +1,1 @@
+"""The online loop (GRPO, RLOO, REINFORCE++, PPO) and its roles: actor, learner, critic."""
