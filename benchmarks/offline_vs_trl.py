@@ -124,8 +124,7 @@ def mean_tokens(job: Job) -> float:
     """Tokens of a sequence as rollout forms it (prompt + completion + end of turn)."""
     from transformers import AutoTokenizer
 
-    from rollout.planner.samples import SampleRules
-    from rollout.runtime.offline.data import HfTextTokenizer
+    from rollout.models.samples import HfTextTokenizer, SampleRules
 
     tokenizer = AutoTokenizer.from_pretrained(job.model_dir)
     eos = json.loads((Path(job.model_dir) / "generation_config.json").read_text())["eos_token_id"]

@@ -286,7 +286,7 @@ def eval_interval_needs_eval_data(config: RunConfig) -> Iterator[Issue]:
 
 
 def read_fields(kind: str, mapping: FieldMap) -> tuple[str, ...]:
-    """The field-map roles an offline objective reads (rollout.planner.samples); online, every
+    """The field-map roles an offline objective reads (rollout.models.samples); online, every
     mapped role reaches the rewards."""
     if kind in ONLINE_KINDS:
         return tuple(FieldMap.model_fields)

@@ -48,8 +48,7 @@ class ModelReward:
     def __init__(self, directory: str | Path, *, device: str = "cpu", batch_size: int = 16):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        from rollout.planner.samples import SampleRules
-        from rollout.runtime.offline_data import HfTextTokenizer
+        from rollout.models.samples import HfTextTokenizer, SampleRules
 
         self.directory = Path(directory)
         self.device = torch.device(device)
@@ -74,7 +73,7 @@ class ModelReward:
         self.__name__ = "reward_model"
 
     def __call__(self, prompts: list[Any], completions: list[str], **_fields: Any) -> list[float]:
-        from rollout.runtime.offline_batch import pad_completions
+        from rollout.models.batches import pad_completions
 
         scores: list[float] = []
         with self._lock, torch.inference_mode():

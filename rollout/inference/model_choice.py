@@ -37,7 +37,8 @@ from rollout.config.secrets import check_no_inline_credentials
 from rollout.config.validate import translate_errors
 from rollout.errors import ConfigError, Issue, PlanError, RolloutError
 from rollout.files import is_url
-from rollout.planner.definition import ModelFacts, Plan
+from rollout.models.facts import ModelFacts
+from rollout.planner.definition import Plan
 from rollout.planner.inspect_model import inspect_model
 
 PLAN_FILE = "plan.lock"

@@ -19,7 +19,7 @@ from transformers.utils import logging as transformers_logging
 
 from rollout.config.model import ModelSection
 from rollout.models.cache import built_once
-from rollout.planner.definition import ModelFacts
+from rollout.models.facts import ModelFacts
 
 
 @dataclass

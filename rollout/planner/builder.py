@@ -25,13 +25,13 @@ from rollout.config.root import RunConfig
 from rollout.config.rules import kl_in_reward, needed_fields
 from rollout.errors import ConfigError, Issue, PlanError, RolloutError
 from rollout.fingerprints import sha256_file
+from rollout.models.facts import ModelFacts
 from rollout.planner.definition import (
     DataFacts,
     Derived,
     FunctionRewardRecord,
     Graph,
     HardwareFacts,
-    ModelFacts,
     ModelRewardRecord,
     Plan,
     RewardRecord,

@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from rollout.config.root import RunConfig
 from rollout.config.rules import run_rules
+from rollout.models.facts import ModelFacts
 from rollout.plugins.identity import PluginIdentity
 
 FORMAT_VERSION = 2
@@ -67,38 +68,6 @@ class ModelRewardRecord(_Reward):
 RewardRecord = Annotated[FunctionRewardRecord | ModelRewardRecord, Field(discriminator="kind")]
 """One reward as the run calls it, resolved once by the planner: the worker builds its reward
 functions from these records, never from the config again."""
-
-
-class ModelFacts(Frozen):
-    """What the model is, read from config.json or GGUF metadata without loading weights."""
-
-    source: Literal["path", "package", "builtin"]
-    location: str = Field(
-        description="Absolute path or URL of the model; 'builtin:NAME' for builtins."
-    )
-    format: Literal["hf", "gguf", "builtin"]
-    fingerprint: str = Field(
-        description="sha256 of the model's metadata (config.json or GGUF header)."
-    )
-    architecture: str
-    model_type: str
-    num_parameters: int
-    vocab_size: int
-    context_length: int
-    hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    tie_word_embeddings: bool
-    chat_template: bool = Field(
-        description="Whether a chat template is available (model or override)."
-    )
-    quantization: str | None = Field(default=None, description="GGUF file type, e.g. 'Q4_1'.")
-    file_bytes: int | None = Field(
-        default=None, description="Size of the weights on disk, if known."
-    )
 
 
 class DataFacts(Frozen):

@@ -23,9 +23,9 @@ from rollout.errors import Issue, PlanError
 from rollout.files import is_url, open_binary
 from rollout.fingerprints import sha256_bytes, sha256_file
 from rollout.models import builtin
+from rollout.models.facts import ModelFacts
 from rollout.models.gguf import GGUFArray, file_type_name, read_gguf_header
 from rollout.planner import locations
-from rollout.planner.definition import ModelFacts
 
 GGUF_FINGERPRINT_BYTES = 4 << 20
 """A GGUF's fingerprint hashes this prefix (the whole header of a typical model) and its size."""

@@ -5,7 +5,7 @@ algorithm.max_length. Online algorithms (GRPO, RLOO, PPO, REINFORCE++): each pro
 and system prompt applied, must fit generation.max_prompt_tokens.
 
 The records are tokenized with the planned model's tokenizer (rollout.planner.tokenizer) by the very
-rules the worker uses (rollout.planner.samples), so a record refused here would have failed the run,
+rules the worker uses (rollout.models.samples), so a record refused here would have failed the run,
 and one accepted here fits. Every record of both splits is checked (up to data.*.limit, as the run
 reads them). Without a tokenizer readable at plan time (see rollout.planner.tokenizer.load) there is
 no such check: offline workers check their records before step 1, online prompts go unchecked.
@@ -21,9 +21,9 @@ from typing import Any
 from rollout.config.algorithm import ONLINE_KINDS
 from rollout.config.root import RunConfig
 from rollout.errors import Issue
+from rollout.models.facts import ModelFacts
+from rollout.models.samples import Demonstration, Judged, Pair, SampleError, SampleRules
 from rollout.planner import tokenizer as plan_tokenizer
-from rollout.planner.definition import ModelFacts
-from rollout.planner.samples import Demonstration, Judged, Pair, SampleError, SampleRules
 
 
 @dataclass(frozen=True)

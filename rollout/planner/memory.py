@@ -26,14 +26,8 @@ from dataclasses import dataclass
 from rollout.config.algorithm import ONLINE_KINDS, REFERENCE_KINDS
 from rollout.config.root import RunConfig
 from rollout.errors import Issue, PlanError
-from rollout.planner.definition import (
-    DataFacts,
-    Derived,
-    Graph,
-    HardwareFacts,
-    MemoryEstimate,
-    ModelFacts,
-)
+from rollout.models.facts import ModelFacts
+from rollout.planner.definition import DataFacts, Derived, Graph, HardwareFacts, MemoryEstimate
 
 GIB = 1024**3
 BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2}

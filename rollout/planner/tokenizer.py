@@ -24,9 +24,9 @@ from typing import Any
 from rollout.config.model import ModelSection
 from rollout.files import is_url
 from rollout.models.cache import cache_root
+from rollout.models.facts import ModelFacts
 from rollout.models.gguf import read_gguf_header
 from rollout.planner import locations
-from rollout.planner.definition import ModelFacts
 
 _SPECIAL_TOKENS = (
     "bos_token",
@@ -40,7 +40,7 @@ _SPECIAL_TOKENS = (
 
 
 class PlanTokenizer:
-    """encode / chat / eos_token_id, as rollout.planner.samples.TextTokenizer asks."""
+    """encode / chat / eos_token_id, as rollout.models.samples.TextTokenizer asks."""
 
     def __init__(
         self,

@@ -16,6 +16,7 @@ from rollout.config import read_config_file, validate_config
 from rollout.errors import LockfileError
 from rollout.fingerprints import sha256_bytes, sha256_file
 from rollout.harness.rewards import BUILTIN_REWARDS
+from rollout.models.facts import ModelFacts
 from rollout.planner.definition import (
     FORMAT_VERSION,
     DataFacts,
@@ -25,7 +26,6 @@ from rollout.planner.definition import (
     Graph,
     HardwareFacts,
     MemoryEstimate,
-    ModelFacts,
     Plan,
     ProcessSpec,
     RoleSpec,

@@ -11,12 +11,12 @@ import torch
 from rollout.config.validate import validate_config
 from rollout.errors import ConfigError, LockfileError, PlanError
 from rollout.harness.model_reward import SAMPLE_FORMAT_KEY, ModelReward, reward_scores
+from rollout.models.batches import pad_completions
+from rollout.models.samples import HfTextTokenizer
 from rollout.planner.builder import build_plan
 from rollout.planner.lockfile import read_plan, write_plan
 from rollout.planner.reward_model import resolve_reward_model
 from rollout.runtime.components import build_reward_functions
-from rollout.runtime.offline.batches import pad_completions
-from rollout.runtime.offline.data import HfTextTokenizer
 from rollout.runtime.offline.objectives import build_reward_model
 
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from rollout.algorithms.sft import IGNORE, sft_loss
-from rollout.planner.samples import Demonstration
-from rollout.runtime.offline.batches import pack_sequences, pad_completions, pad_sequences
+from rollout.models.batches import pad_completions
+from rollout.models.samples import Demonstration
+from rollout.runtime.offline.batches import pack_sequences, pad_sequences
 from rollout.runtime.offline.objectives import sequence_sums
 
 PAD = 0

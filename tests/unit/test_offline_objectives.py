@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from rollout.config.algorithm import DpoConfig, IpoConfig, KtoConfig, RmConfig, SftConfig
-from rollout.planner.samples import SampleRules
-from rollout.runtime.offline.data import HfTextTokenizer, encode_split
+from rollout.models.samples import HfTextTokenizer, SampleRules
+from rollout.runtime.offline.data import encode_split
 from rollout.runtime.offline.objectives import (
     OBJECTIVES,
     Context,

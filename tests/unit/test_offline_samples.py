@@ -10,10 +10,10 @@ import pytest
 
 from rollout.config.model import ModelSection
 from rollout.models import builtin
+from rollout.models.samples import HfTextTokenizer, SampleError, SampleRules
 from rollout.planner.inspect_model import inspect_model
-from rollout.planner.samples import SampleError, SampleRules
 from rollout.planner.tokenizer import load
-from rollout.runtime.offline.data import HfTextTokenizer, encode_split
+from rollout.runtime.offline.data import encode_split
 
 FIELDS = {
     "prompt": "prompt",

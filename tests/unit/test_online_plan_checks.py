@@ -84,7 +84,7 @@ def with_long_prompt(at: int, prompt: str = LONG) -> list[dict[str, Any]]:
 
 
 def planner_length(prompt: str, *, system_prompt: str | None = None, chat: bool = True) -> int:
-    from rollout.planner.samples import SampleRules
+    from rollout.models.samples import SampleRules
 
     section = ModelSection(builtin="tiny-llama")
     tokenizer = load(inspect_model(section, base_dir=Path.cwd()), section, base_dir=Path.cwd())

@@ -1,7 +1,7 @@
 """The offline objectives' data inside a worker: every record of each split, tokenized once.
 
 Records come from the planned files through the planner's own readers (rollout.runtime.data), and
-become samples by the planner's rules (rollout.planner.samples) with the model's transformers
+become samples by the planner's rules (rollout.models.samples) with the model's transformers
 tokenizer, so the lengths `rollout plan` checked are the lengths trained on. A sample's position
 in its split is its record index, the key of the reference log-prob cache and of the data cursor.
 """
@@ -13,48 +13,21 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rollout.models.loading import LoadedModel
+from rollout.models.samples import (
+    Demonstration,
+    HfTextTokenizer,
+    Judged,
+    Pair,
+    SampleError,
+    SampleRules,
+)
 from rollout.planner.inspect_samples import sample_rules
-from rollout.planner.samples import Demonstration, Judged, Pair, SampleError, SampleRules
 from rollout.runtime.data import load_records
 
 if TYPE_CHECKING:
     from rollout.planner.definition import Plan
 
 Sample = Pair | Judged | Demonstration
-
-
-class HfTextTokenizer:
-    """A transformers tokenizer behind rollout.planner.samples.TextTokenizer."""
-
-    def __init__(self, tokenizer: Any, chat_template: str | None, eos_token_id: int):
-        self._tokenizer = tokenizer
-        self._chat_template = chat_template
-        self.eos_token_id = eos_token_id
-
-    @classmethod
-    def of(cls, loaded: LoadedModel) -> HfTextTokenizer:
-        """The loaded model's tokenizer, ending completions with its first end-of-turn token."""
-        return cls(loaded.tokenizer, loaded.chat_template, loaded.eos_token_ids[0])
-
-    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
-
-    def chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> list[int]:
-        if self._chat_template is None:
-            raise SampleError(
-                "prompt",
-                "the model has no chat template",
-                hint="set data.use_chat_template = false, or give model.chat_template",
-            )
-        return list(
-            self._tokenizer.apply_chat_template(
-                messages,
-                chat_template=self._chat_template,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=True,
-                return_dict=False,
-            )
-        )
 
 
 @dataclass(frozen=True)

@@ -28,15 +28,10 @@ from rollout.algorithms.preference import (
 from rollout.algorithms.reward_model import bradley_terry_loss
 from rollout.algorithms.sft import IGNORE, sft_loss
 from rollout.harness.model_reward import reward_scores
-from rollout.planner.samples import Demonstration, Judged, Pair
+from rollout.models.batches import CompletionBatch, pad_completions
+from rollout.models.samples import Demonstration, Judged, Pair
 from rollout.runtime import transport
-from rollout.runtime.offline.batches import (
-    CompletionBatch,
-    TokenBatch,
-    pack_sequences,
-    pad_completions,
-    pad_sequences,
-)
+from rollout.runtime.offline.batches import TokenBatch, pack_sequences, pad_sequences
 from rollout.runtime.offline.data import Split
 
 Metrics = dict[str, float]

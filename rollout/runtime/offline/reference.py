@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from rollout.models.batches import CompletionBatch
 from rollout.runtime.context import WorkerContext
-from rollout.runtime.offline.batches import CompletionBatch
 from rollout.runtime.offline.data import Split
 from rollout.runtime.offline.objectives import Objective, sequence_sums
 from rollout.runtime.offline.reference_cache import FILE_NAME, cache_key, cached_reference

@@ -21,7 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from rollout.models.loading import LoadedModel
 
 Message = Mapping[str, Any]
 
@@ -251,3 +254,37 @@ def _kind(value: Any) -> str:
         dict: "an object",
         type(None): "null",
     }.get(type(value), type(value).__name__)
+
+
+class HfTextTokenizer:
+    """A transformers tokenizer behind TextTokenizer."""
+
+    def __init__(self, tokenizer: Any, chat_template: str | None, eos_token_id: int):
+        self._tokenizer = tokenizer
+        self._chat_template = chat_template
+        self.eos_token_id = eos_token_id
+
+    @classmethod
+    def of(cls, loaded: LoadedModel) -> HfTextTokenizer:
+        """The loaded model's tokenizer, ending completions with its first end-of-turn token."""
+        return cls(loaded.tokenizer, loaded.chat_template, loaded.eos_token_ids[0])
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> list[int]:
+        if self._chat_template is None:
+            raise SampleError(
+                "prompt",
+                "the model has no chat template",
+                hint="set data.use_chat_template = false, or give model.chat_template",
+            )
+        return list(
+            self._tokenizer.apply_chat_template(
+                messages,
+                chat_template=self._chat_template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+            )
+        )
