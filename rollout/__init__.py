@@ -21,18 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollout.config import RunConfig, load_config
 from rollout.errors import ConfigError, Issue, LockfileError, PlanError, RolloutError
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("rollout")  # pyproject.toml is the one place the version is written
-    except PackageNotFoundError:  # running from a source tree that was never installed
-        return "0.0.0+unknown"
-
-
-__version__ = _version()
+from rollout.version import __version__
 
 if TYPE_CHECKING:
     from rollout.planner import Plan

@@ -12,10 +12,10 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from rollout import __version__
 from rollout.cli import generate, logs, plan, run, runs, schema, serve, validate
 from rollout.cli.options import render_flags_as_flags
 from rollout.redact import redact_text
+from rollout.version import __version__
 
 render_flags_as_flags()
 

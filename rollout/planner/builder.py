@@ -17,7 +17,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
-from rollout import __version__
 from rollout.config import load_config
 from rollout.config.algorithm import ONLINE_KINDS, PAIRED_PREFERENCE_KINDS
 from rollout.config.rewards import RewardSpec
@@ -55,6 +54,7 @@ from rollout.planner.runnable import run_refusals
 from rollout.planner.trackers import tracker_issues
 from rollout.plugins.identity import PluginIdentity, installed_version
 from rollout.seeds import derive_seed
+from rollout.version import __version__
 
 T = TypeVar("T")
 
