@@ -47,12 +47,15 @@ RecordCheck = Callable[[Mapping[str, Any]], list[RecordProblem]]
 def sample_rules(config: RunConfig, tokenizer: Any) -> SampleRules:
     """The run's record -> token ids rules, for the planner's tokenizer or the worker's."""
     algo = config.algorithm
+    # Only SFT's demonstrations may put prompt tokens in the loss; the other kinds score
+    # completions alone, whatever the field would say.
+    completion_only = algo.completion_only_loss if algo.kind == "sft" else True
     return SampleRules(
         tokenizer=tokenizer,
         fields=config.data.fields.model_dump(),
         use_chat_template=config.data.use_chat_template,
         system_prompt=config.data.system_prompt,
-        completion_only_loss=getattr(algo, "completion_only_loss", True),
+        completion_only_loss=completion_only,
     )
 
 
