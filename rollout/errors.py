@@ -8,6 +8,7 @@ callers catch `RolloutError` and read `.issues`.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -15,6 +16,16 @@ from typing import Any
 from rollout.redact import redact_text, redact_value
 
 USER_ERROR_EXIT_CODE = 2
+
+
+def did_you_mean(word: str, choices: Iterable[str], *, most: int = 1) -> str | None:
+    """The hint for a misspelt name: "did you mean 'x'?" (or 'x' or 'y' ...), None when nothing
+    is close enough."""
+    close = difflib.get_close_matches(word, list(choices), n=most, cutoff=0.6)
+    if not close:
+        return None
+    return "did you mean " + " or ".join(repr(name) for name in close) + "?"
+
 
 _MISSING = object()
 

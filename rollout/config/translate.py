@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from rollout.config.plain import RawPath
 from rollout.config.secrets import check_secret_ref, redact
-from rollout.errors import Issue
+from rollout.errors import Issue, did_you_mean
 
 
 @dataclass(frozen=True)
@@ -275,12 +275,11 @@ def _did_you_mean(word: str, choices: list[str]) -> str | None:
     synonym = _CHOICE_SYNONYMS.get(word.strip().lower())
     if synonym in choices:
         return f"did you mean {synonym!r}?"
-    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
-    if not close:
-        lowered = {c.lower(): c for c in choices}
-        if word.lower() in lowered:
-            close = [lowered[word.lower()]]
-    return f"did you mean {close[0]!r}?" if close else None
+    hint = did_you_mean(word, choices)
+    lowered = {c.lower(): c for c in choices}
+    if hint is None and word.lower() in lowered:  # a case slip too short for difflib to see
+        hint = f"did you mean {lowered[word.lower()]!r}?"
+    return hint
 
 
 def _split_choices(text: str) -> list[str]:

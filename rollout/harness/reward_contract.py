@@ -15,16 +15,15 @@ runner (reward_runner.py) makes exactly this call in the worker (call_keywords, 
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from rollout.errors import Issue
+from rollout.errors import Issue, did_you_mean
 
 _QUOTE_CHARS = 60
 
@@ -292,7 +291,7 @@ class _RewardCall:
             f"{self.prefix}.options.{key}",
             f"{self.name}{self.signature} has no parameter {key!r}, and the run passes the "
             f"option as {key}={_shorten(repr(options[key]), 60)}",
-            hint=_did_you_mean(key, self.keywords)
+            hint=did_you_mean(key, self.keywords)
             or f"the parameters it accepts: {accepted}; add a parameter {key!r} or **kwargs to "
             f"{self.name}, or remove the option",
         )
@@ -328,8 +327,3 @@ _PER_COMPLETION = _PerCompletion()
 
 def _shorten(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _did_you_mean(word: str, choices: Iterable[str]) -> str | None:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f"did you mean {close[0]!r}?" if close else None

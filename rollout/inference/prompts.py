@@ -13,7 +13,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from rollout.errors import Issue, RolloutError
+from rollout.errors import Issue, RolloutError, did_you_mean
 from rollout.files import is_url, refusal
 from rollout.fingerprints import sha256_file
 from rollout.planner import locations
@@ -204,7 +204,7 @@ class _Checker:
             self._unlisted += 1
 
     def _hint(self) -> str:
-        guess = locations.did_you_mean(self.field, sorted(self.fields - {self.field}))
+        guess = did_you_mean(self.field, sorted(self.fields - {self.field}), most=3)
         change = "pass --field with the name of the field that holds the prompt"
         return f"{guess} {change}" if guess else change
 

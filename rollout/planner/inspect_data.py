@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from rollout.config.data import DataSource
 from rollout.config.plain import deeper_than
-from rollout.errors import Issue, PlanError
+from rollout.errors import Issue, PlanError, did_you_mean
 from rollout.files import is_url, open_binary, refusal
 from rollout.fingerprints import sha256_file
 from rollout.planner import locations
@@ -353,7 +353,7 @@ class _Checker:
 
     def _field_hint(self, role: str, field: str) -> str:
         # Other records may hold `field` itself; the suggestion is for the ones that misspell it.
-        guess = locations.did_you_mean(field, sorted(self.fields - {field}))
+        guess = did_you_mean(field, sorted(self.fields - {field}), most=3)
         change = f"set data.fields.{role} to the field that holds the {role}"
         return f"{guess} {change}" if guess else change
 

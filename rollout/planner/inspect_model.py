@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rollout.config.model import ModelSection
-from rollout.errors import Issue, PlanError
+from rollout.errors import Issue, PlanError, did_you_mean
 from rollout.files import is_url, open_binary
 from rollout.fingerprints import sha256_bytes, sha256_file
 from rollout.models import builtin
@@ -218,7 +218,7 @@ def _named_target(root: str, name: str, files: list[str], candidates: list[str])
                 "model.file",
                 f"{name!r} not found in {root}",
                 value=name,
-                hint=locations.did_you_mean(name, files)
+                hint=did_you_mean(name, files, most=3)
                 or f"it holds: {', '.join(candidates or files) or 'nothing'}",
             )
         )

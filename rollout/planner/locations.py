@@ -3,12 +3,11 @@ URL, and what to tell the user when nothing is there."""
 
 from __future__ import annotations
 
-import difflib
 import os
 from pathlib import Path
 from typing import Any
 
-from rollout.errors import Issue, PlanError
+from rollout.errors import Issue, PlanError, did_you_mean
 from rollout.files import is_url
 
 
@@ -58,13 +57,6 @@ def list_files(directory: str) -> dict[str, int]:
         return {entry.name: entry.stat().st_size for entry in entries if entry.is_file()}
 
 
-def did_you_mean(name: str, candidates: list[str]) -> str | None:
-    matches = difflib.get_close_matches(name, candidates, n=3, cutoff=0.6)
-    if not matches:
-        return None
-    return "did you mean " + " or ".join(repr(match) for match in matches) + "?"
-
-
 CONFIG_DIRECTORY = "the config file's directory"
 
 
@@ -80,7 +72,7 @@ def not_found(
     if not is_url(location):
         parent, name = os.path.split(location)
         if os.path.isdir(parent):
-            hint = did_you_mean(name, sorted(os.listdir(parent))) or hint
+            hint = did_you_mean(name, sorted(os.listdir(parent)), most=3) or hint
         else:
             hint = f"its directory {parent} does not exist either; {hint}"
     return Issue(path, f"{what} not found: {location}", value=value, hint=hint)

@@ -21,13 +21,13 @@ import inspect
 import re
 import sys
 import traceback
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType, TracebackType
 from typing import Any, Literal
 
-from rollout.errors import Issue, PlanError
+from rollout.errors import Issue, PlanError, did_you_mean
 from rollout.fingerprints import sha256_bytes
 from rollout.plugins.identity import (
     PluginIdentity,
@@ -287,7 +287,7 @@ def _get_callable(
                 used_by,
                 ref=ref,
                 message=f"{owner} has no attribute {part!r}",
-                hint=_did_you_mean(part, choices) or listing,
+                hint=did_you_mean(part, choices) or listing,
             )
         obj = getattr(obj, part)
         walked.append(part)
@@ -319,7 +319,7 @@ def _unknown_name_hint(name: str, group: str, builtins: Mapping[str, Callable[..
     entry_points = sorted({ep.name for ep in importlib.metadata.entry_points(group=group)})
     known = f"built-ins: {', '.join(sorted(builtins)) or 'none'}"
     known += f"; entry points: {', '.join(entry_points) or 'none installed'}"
-    guess = _did_you_mean(name, [*builtins, *entry_points])
+    guess = did_you_mean(name, [*builtins, *entry_points])
     usage = "or write 'package.module:function' or './file.py:function'"
     return f"{guess} {known}; {usage}" if guess else f"{known}; {usage}"
 
@@ -338,11 +338,6 @@ def _nearby_files_hint(file: str, path: Path) -> str:
     if candidates:
         return f".py files in {path.parent}: {', '.join(candidates)}"
     return f"there are no .py files in {path.parent}"
-
-
-def _did_you_mean(word: str, choices: Iterable[str]) -> str | None:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f"did you mean {close[0]!r}?" if close else None
 
 
 def _error(used_by: str, *, ref: str, message: str, hint: str) -> PlanError:
