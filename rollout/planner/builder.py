@@ -193,7 +193,7 @@ def _inspect_all_data(
 
 def _reward_fields(config: RunConfig, data: list[DataFacts]) -> dict[str, set[str]]:
     """Per split, the keyword arguments a reward can count on: the records' own fields and the
-    mapped roles (rollout.runtime.actor.PromptFormat.reward_row). The train split is always there,
+    mapped roles (rollout.runtime.online.actor.PromptFormat.reward_row). The train split is always there,
     with the roles alone when its data could not be read."""
     roles = {role for role, field in config.data.fields.model_dump().items() if field is not None}
     fields = {"train": set(roles)}
