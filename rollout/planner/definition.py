@@ -86,6 +86,10 @@ class GpuFacts(Frozen):
     index: int
     name: str
     memory_bytes: int
+    memory_free_bytes: int | None = Field(
+        default=None,
+        description="Free memory when planned (other processes hold the rest); None if unknown.",
+    )
 
 
 class HardwareFacts(Frozen):

@@ -212,7 +212,15 @@ def _plugins(plan: Plan) -> Table:
 
 def _environment(plan: Plan) -> Group:
     hw = plan.hardware
-    gpus = ", ".join(f"{g.name} ({_gib(g.memory_bytes)})" for g in hw.gpus) or "none"
+    gpus = (
+        ", ".join(
+            f"{g.name} ({_gib(g.memory_bytes)}"
+            + ("" if g.memory_free_bytes is None else f", {_gib(g.memory_free_bytes)} free")
+            + ")"
+            for g in hw.gpus
+        )
+        or "none"
+    )
     versions = plan.versions
     installed = [f"python {versions.python}", f"rollout {versions.rollout}"]
     installed += [

@@ -13,7 +13,10 @@ import subprocess
 
 from rollout.planner.definition import GpuFacts, HardwareFacts
 
-NVIDIA_SMI_QUERY = ["--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"]
+NVIDIA_SMI_QUERY = [
+    "--query-gpu=index,name,memory.total,memory.free",
+    "--format=csv,noheader,nounits",
+]
 NVIDIA_SMI_TIMEOUT_S = 10
 
 _MIB = 1 << 20
@@ -39,20 +42,26 @@ def probe_hardware() -> HardwareFacts:
 
 
 def parse_nvidia_smi(text: str) -> list[GpuFacts]:
-    """GPUs from `nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader,nounits`.
+    """GPUs from `nvidia-smi --query-gpu=index,name,memory.total,memory.free
+    --format=csv,noheader,nounits`.
 
-    Each line reads like "0, NVIDIA H100 80GB HBM3, 81559" (memory in MiB). Raises ValueError on a
-    line that does not.
+    Each line reads like "0, NVIDIA H100 80GB HBM3, 81559, 80103" (memory in MiB; a name may hold
+    commas, so the numbers are read from the right). Raises ValueError on a line that does not.
     """
     gpus = []
     for line in text.splitlines():
         if not line.strip():
             continue
-        index, *name, memory = (part.strip() for part in line.split(","))
+        index, *name, total, free = (part.strip() for part in line.split(","))
         if not name:
             raise ValueError(f"unexpected nvidia-smi line: {line!r}")
         gpus.append(
-            GpuFacts(index=int(index), name=", ".join(name), memory_bytes=int(memory) * _MIB)
+            GpuFacts(
+                index=int(index),
+                name=", ".join(name),
+                memory_bytes=int(total) * _MIB,
+                memory_free_bytes=int(free) * _MIB,
+            )
         )
     return gpus
 

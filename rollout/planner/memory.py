@@ -27,7 +27,14 @@ from rollout.config.algorithm import ONLINE_KINDS, REFERENCE_KINDS
 from rollout.config.root import RunConfig
 from rollout.errors import Issue, PlanError
 from rollout.models.facts import ModelFacts
-from rollout.planner.definition import DataFacts, Derived, Graph, HardwareFacts, MemoryEstimate
+from rollout.planner.definition import (
+    DataFacts,
+    Derived,
+    GpuFacts,
+    Graph,
+    HardwareFacts,
+    MemoryEstimate,
+)
 
 GIB = 1024**3
 BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -196,7 +203,7 @@ def estimate_memory(
             share = config.generation.gpu_memory_utilization
             items["vllm"] += int(_capacity(device, hardware) * share)
     return [
-        _estimate(device, dict(items), _capacity(device, hardware))
+        _estimate(device, dict(items), _room(device, hardware))
         for device, items in sorted(per_device.items())
     ]
 
@@ -320,11 +327,25 @@ def _activation_bytes(config: RunConfig, model: ModelFacts, derived: Derived, wi
 
 
 def _capacity(device: str, hardware: HardwareFacts) -> int:
+    """The device's whole memory (what vLLM's gpu_memory_utilization is a share of)."""
     if device == "cpu":
         return hardware.memory_bytes
+    gpu = _gpu(device, hardware)
+    return gpu.memory_bytes if gpu else 0
+
+
+def _room(device: str, hardware: HardwareFacts) -> int:
+    """What a run can have of the device: a GPU's free memory when the probe read it (another
+    process's tensors are not ours to use), else its whole memory."""
+    gpu = None if device == "cpu" else _gpu(device, hardware)
+    if gpu is not None and gpu.memory_free_bytes is not None:
+        return gpu.memory_free_bytes
+    return _capacity(device, hardware)
+
+
+def _gpu(device: str, hardware: HardwareFacts) -> GpuFacts | None:
     index = int(device.split(":")[1])
-    gpus = {gpu.index: gpu for gpu in hardware.gpus}
-    return gpus[index].memory_bytes if index in gpus else 0
+    return next((gpu for gpu in hardware.gpus if gpu.index == index), None)
 
 
 def _estimate(device: str, items: dict[str, int], capacity: int) -> MemoryEstimate:
@@ -366,10 +387,12 @@ def _does_not_fit(estimate: MemoryEstimate, shape: GenerationShape | None) -> Is
     short = estimate.total_bytes - usable
     largest = sorted(estimate.items.items(), key=lambda kv: -kv[1])[:3]
     breakdown = ", ".join(f"{name} {gib(size)}" for name, size in largest)
+    # A GPU's capacity is what was free when planned (_room): say so, it may be busy.
+    of = gib(estimate.capacity_bytes) + ("" if kind == "cpu" else " free")
     message = (
         f"the plan needs {gib(estimate.total_bytes)} on {estimate.device} but can count on "
-        f"{gib(usable)} ({HEADROOM[kind]:.0%} of {gib(estimate.capacity_bytes)}): short by "
-        f"{gib(short)}; largest items: {breakdown}"
+        f"{gib(usable)} ({HEADROOM[kind]:.0%} of {of}): short by {gib(short)}; "
+        f"largest items: {breakdown}"
     )
     hint = _REMEDIES.get(largest[0][0], "reduce batch sizes")
     if shape is not None and "kv_cache" in estimate.items:

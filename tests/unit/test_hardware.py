@@ -13,15 +13,30 @@ MIB = 1 << 20
 
 
 def test_parse_nvidia_smi():
-    text = "0, NVIDIA H100 80GB HBM3, 81559\n1, NVIDIA H100 80GB HBM3, 81559\n\n"
+    text = "0, NVIDIA H100 80GB HBM3, 81559, 81000\n1, NVIDIA H100 80GB HBM3, 81559, 2048\n\n"
     assert hardware.parse_nvidia_smi(text) == [
-        GpuFacts(index=0, name="NVIDIA H100 80GB HBM3", memory_bytes=81559 * MIB),
-        GpuFacts(index=1, name="NVIDIA H100 80GB HBM3", memory_bytes=81559 * MIB),
+        GpuFacts(
+            index=0,
+            name="NVIDIA H100 80GB HBM3",
+            memory_bytes=81559 * MIB,
+            memory_free_bytes=81000 * MIB,
+        ),
+        GpuFacts(
+            index=1,
+            name="NVIDIA H100 80GB HBM3",
+            memory_bytes=81559 * MIB,
+            memory_free_bytes=2048 * MIB,
+        ),
     ]
+    # A name with a comma keeps it: the numbers are read from the right.
+    (gpu,) = hardware.parse_nvidia_smi("2, Odd, Name, 100, 40")
+    assert (gpu.name, gpu.memory_bytes, gpu.memory_free_bytes) == ("Odd, Name", 100 * MIB, 40 * MIB)
     assert hardware.parse_nvidia_smi("") == []
 
 
-@pytest.mark.parametrize("text", ["0, NVIDIA A100, [N/A]", "No devices were found", "0, 40960"])
+@pytest.mark.parametrize(
+    "text", ["0, NVIDIA A100, 40960, [N/A]", "No devices were found", "0, 40960, 100"]
+)
 def test_parse_nvidia_smi_rejects_other_output(text):
     with pytest.raises(ValueError):
         hardware.parse_nvidia_smi(text)
@@ -47,12 +62,14 @@ def test_gpus_from_nvidia_smi(monkeypatch):
 
     def run(command, **kwargs):
         calls.append((command, kwargs["timeout"]))
-        return subprocess.CompletedProcess(command, 0, stdout="3, Tesla T4, 15360\n")
+        return subprocess.CompletedProcess(command, 0, stdout="3, Tesla T4, 15360, 15000\n")
 
     monkeypatch.setattr(hardware.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
     monkeypatch.setattr(hardware.subprocess, "run", run)
     gpus = hardware.probe_hardware().gpus
-    assert gpus == [GpuFacts(index=3, name="Tesla T4", memory_bytes=15360 * MIB)]
+    assert gpus == [
+        GpuFacts(index=3, name="Tesla T4", memory_bytes=15360 * MIB, memory_free_bytes=15000 * MIB)
+    ]
     assert calls == [(["/usr/bin/nvidia-smi", *hardware.NVIDIA_SMI_QUERY], 10)]
 
 

@@ -161,6 +161,26 @@ def test_lowering_max_batch_size_makes_it_fit(config_file, base_config, llama_1b
     assert actor_gpu.fits
 
 
+def test_a_gpu_busy_with_another_process_counts_only_its_free_memory(
+    config_file, base_config, llama_1b
+):
+    """The plan that fits an idle 80 GiB GPU fails on one where another process holds 70 GiB,
+    and says how much was free."""
+    config = actor_on_its_own_gpu(base_config, llama_1b, max_batch_size=64)
+    busy = TWO_H100.model_copy(
+        update={
+            "gpus": [
+                gpu.model_copy(update={"memory_free_bytes": 10 * GIB}) for gpu in TWO_H100.gpus
+            ]
+        }
+    )
+    with pytest.raises(PlanError) as caught:
+        plan_of(config_file, config, busy)
+    issue = next(i for i in caught.value.issues if "on cuda:0" in i.message)
+    assert "95% of 10.00 GiB free" in issue.message
+    assert plan_of(config_file, config, TWO_H100).memory[0].fits
+
+
 def test_vllm_share_must_hold_the_weights_and_one_full_sequence(config_file, base_config, llama_1b):
     config = actor_on_its_own_gpu(base_config, llama_1b, max_batch_size=64)
     plan = plan_of(config_file, config, TWO_H100)
