@@ -7,6 +7,9 @@ huggingface_hub lays it out, and HF_HUB_CACHE points at it.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 
 import pytest
 from typer.testing import CliRunner
@@ -16,7 +19,7 @@ from rollout.cli.app import app
 from rollout.errors import LockfileError
 from rollout.inference.model_choice import choose_model, model_source
 from rollout.planner.lockfile import read_plan, write_plan
-from tests.conftest import COMMITS, HUB_ID
+from tests.conftest import COMMITS, HUB_ID, REPO
 
 runner = CliRunner()
 
@@ -175,3 +178,20 @@ def test_generate_model_option_names_the_fetch_command(hub_cache):
     (issue,) = caught.value.issues
     assert issue.path == "--model"
     assert issue.hint == "fetch it first: hf download rollout-tests/absent --revision main"
+
+
+def test_planning_and_checking_a_hub_model_stay_torch_free(config_file, hub_config, hub_cache):
+    hub_cache.add()
+    path = config_file(hub_config)
+    script = textwrap.dedent(f"""
+        import sys
+        from rollout import plan
+        from rollout.planner.lockfile import stale_reasons
+        assert not stale_reasons(plan({str(path)!r}))
+        print("torch" in sys.modules)
+    """)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "False"
