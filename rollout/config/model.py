@@ -17,6 +17,8 @@ BUILTIN_MODELS: tuple[str, ...] = get_args(BuiltinModel)
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
 """A Hugging Face Hub model id, 'org/name' (checked with fullmatch; '--' and '..' are refused too,
 as the Hub refuses them)."""
+REVISION = re.compile(r"[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*")
+"""A branch, tag or commit sha, as git names them (no '..', no leading or doubled '/')."""
 DEFAULT_REVISION = "main"
 MODEL_SOURCES = ("path", "package", "builtin", "hub")
 """The [model] fields that name a model; a config sets exactly one."""
@@ -24,6 +26,10 @@ MODEL_SOURCES = ("path", "package", "builtin", "hub")
 
 def is_hub_id(value: str) -> bool:
     return bool(HUB_ID.fullmatch(value)) and "--" not in value and ".." not in value
+
+
+def is_revision(value: str) -> bool:
+    return bool(REVISION.fullmatch(value)) and ".." not in value
 
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]

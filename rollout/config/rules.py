@@ -20,7 +20,7 @@ from rollout.config.algorithm import (
 from rollout.config.data import FieldMap
 from rollout.config.generation import GenerationSection
 from rollout.config.logging import TRACKER_OPTIONS
-from rollout.config.model import MODEL_SOURCES, is_hub_id
+from rollout.config.model import MODEL_SOURCES, is_hub_id, is_revision
 from rollout.config.root import RunConfig
 from rollout.errors import Issue
 
@@ -111,6 +111,13 @@ def model_source_is_one(config: RunConfig) -> Iterator[Issue]:
             "a revision picks a commit of a Hub model, but model.hub is not set",
             value=model.revision,
             hint="set model.hub = 'org/name', or remove model.revision",
+        )
+    if model.revision is not None and not is_revision(model.revision):
+        yield Issue(
+            "model.revision",
+            "is not a branch, tag or commit sha (letters, digits, '-', '_', '.', '/'; no '..')",
+            value=model.revision,
+            hint="e.g. revision = 'main', a tag such as 'v1.0', or a 40-character commit sha",
         )
     if model.builtin is not None and (model.file is not None or model.format != "auto"):
         yield Issue(

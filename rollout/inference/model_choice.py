@@ -31,7 +31,7 @@ from pydantic import ValidationError
 from rollout.config.data import FieldMap
 from rollout.config.generation import GenerationSection
 from rollout.config.load import apply_overrides, read_config_file
-from rollout.config.model import BUILTIN_MODELS, ModelSection, is_hub_id
+from rollout.config.model import BUILTIN_MODELS, ModelSection, is_hub_id, is_revision
 from rollout.config.root import RunConfig
 from rollout.config.rules import model_source_is_one
 from rollout.config.secrets import check_no_inline_credentials
@@ -233,7 +233,7 @@ def model_source(value: str) -> dict[str, Any]:
 
 def _hub_source(value: str) -> dict[str, Any]:
     repo_id, at, revision = value.partition("@")
-    if not is_hub_id(repo_id) or (at and not revision):
+    if not is_hub_id(repo_id) or (at and not is_revision(revision)):
         raise RolloutError(
             Issue(
                 "--model",

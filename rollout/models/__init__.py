@@ -7,7 +7,7 @@ hub.py            finds a Hub model (model.hub) in the local Hugging Face cache;
 cache.py          rollout's local cache (built models, dequantized GGUF weights), multi-process safe
 loading.py        loads the planned model and its tokenizer in a worker (GGUF dequantized once)
 
-builtin, gguf, hub and cache never import torch, and builtin_build imports it only to build weights: the
-planner uses them and stays torch-free. loading imports torch and transformers. Nothing is
+builtin, gguf, hub and cache never import torch, and builtin_build imports it only to build
+weights: the planner uses them and stays torch-free. loading imports torch and transformers. Nothing is
 imported here, so that importing one module never pulls in another.
 """

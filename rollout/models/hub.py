@@ -48,16 +48,16 @@ def fetch_command(repo_id: str, revision: str) -> str:
 def resolve(repo_id: str, revision: str) -> HubSnapshot:
     """The cached snapshot of `repo_id` at `revision` (a branch, tag or commit sha), without any
     network access. Raises NotCached if the cache lacks it, ImportError without huggingface_hub."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub import errors, snapshot_download
 
     where = cache_dir()
     try:
         directory = snapshot_download(
             repo_id, revision=revision, cache_dir=where, local_files_only=True
         )
-    except LocalEntryNotFoundError as exc:
-        incomplete = type(exc).__name__ == "IncompleteSnapshotError"  # huggingface_hub >= 1.x
+    except errors.LocalEntryNotFoundError as exc:
+        # Newer huggingface_hub releases tell a partial download (its file listing is cached).
+        incomplete = isinstance(exc, getattr(errors, "IncompleteSnapshotError", ()))
         raise NotCached(
             f"{repo_id} at revision {revision!r} is "
             + ("only partly downloaded into" if incomplete else "not in")

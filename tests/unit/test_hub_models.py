@@ -83,6 +83,16 @@ def test_a_revision_needs_a_hub_id(config_file, base_config):
     assert error["path"] == "model.revision" and "model.hub is not set" in error["message"]
 
 
+@pytest.mark.parametrize("bad", ["../../../etc", "/abs", "a//b", "v 1"])
+def test_validate_refuses_a_revision_that_is_no_git_name(config_file, hub_config, bad):
+    hub_config["model"]["revision"] = bad
+    result = runner.invoke(
+        app, ["validate", "-c", str(config_file(hub_config)), "--format", "json"]
+    )
+    (error,) = _errors(result)
+    assert error["path"] == "model.revision" and error["value"] == bad
+
+
 def test_plan_records_the_commit_and_the_snapshot(config_file, hub_config, hub_cache):
     snapshot = hub_cache.add()
     plan = rollout.plan(str(config_file(hub_config)))
@@ -166,6 +176,9 @@ def test_generate_model_option_takes_a_hub_id(hub_cache):
     assert model_source(HUB_ID) == model_source(f"hub:{HUB_ID}")
     assert model_source(HUB_ID)["hub"] == HUB_ID
     assert model_source(f"{HUB_ID}@v2") == {**model_source(HUB_ID), "revision": "v2"}
+    for bad in (f"{HUB_ID}@", f"{HUB_ID}@../x", "hub:a/b/c"):
+        with pytest.raises(rollout.RolloutError):
+            model_source(bad)
     snapshot = hub_cache.add()
     choice = choose_model(config=None, model=HUB_ID)
     assert choice.facts.source == "hub" and choice.facts.location == str(snapshot)
