@@ -536,7 +536,7 @@ class ModelSection(TypedDict):
 
     Default: None."""
     revision: NotRequired[str | None]
-    """The branch, tag or commit sha of model.hub to use. Default: 'main'.
+    """The branch, tag or commit sha of model.hub to use; unset means 'main'.
 
     Default: None."""
     builtin: NotRequired[Literal["tiny-llama", "tiny-qwen2"] | None]
@@ -545,8 +545,8 @@ class ModelSection(TypedDict):
 
     Default: None."""
     file: NotRequired[str | None]
-    """The model file inside `package` or inside a `path` directory, when it holds several (e.g.
-    'SmolLM2-135M-Instruct.Q4_1.gguf').
+    """The model file inside `package`, a `path` directory or a `hub` snapshot, when it holds
+    several (e.g. 'SmolLM2-135M-Instruct.Q4_1.gguf').
 
     Default: None."""
     format: NotRequired[Literal["auto", "hf", "gguf"]]

@@ -57,7 +57,7 @@ class ModelSection(ConfigModel):
     revision: str | None = Field(
         default=None,
         min_length=1,
-        description="The branch, tag or commit sha of model.hub to use. Default: 'main'.",
+        description="The branch, tag or commit sha of model.hub to use; unset means 'main'.",
     )
     builtin: BuiltinModel | None = Field(
         default=None,
@@ -67,8 +67,8 @@ class ModelSection(ConfigModel):
     file: str | None = Field(
         default=None,
         min_length=1,
-        description="The model file inside `package` or inside a `path` directory, when it holds "
-        "several (e.g. 'SmolLM2-135M-Instruct.Q4_1.gguf').",
+        description="The model file inside `package`, a `path` directory or a `hub` snapshot, "
+        "when it holds several (e.g. 'SmolLM2-135M-Instruct.Q4_1.gguf').",
     )
     format: Literal["auto", "hf", "gguf"] = Field(
         default="auto",
