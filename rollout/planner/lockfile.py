@@ -7,7 +7,7 @@ and compares bytes as well, so a change of whitespace or key order counts as an 
 changed by changing the config and planning again, never by hand.
 
 Staleness is checked without importing plugins or torch: distribution versions come from package
-metadata, files are compared by sha256.
+metadata, files are compared by sha256, a Hub model's revision is looked up in the local cache.
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from rollout.config.model import DEFAULT_REVISION
 from rollout.config.plain import deeper_than
 from rollout.errors import Issue, LockfileError
 from rollout.files import FileRefused, is_url, read_capped
 from rollout.fingerprints import sha256_bytes, sha256_file, short_hash
+from rollout.models import hub
 from rollout.planner.definition import FORMAT_VERSION, Plan, Versions
 from rollout.plugins.identity import VersionLookup, installed_version, plugin_changes
 
@@ -262,6 +264,7 @@ def stale_reasons(plan: Plan, *, version_of: VersionLookup = installed_version) 
         for change in plugin_changes(identity, version_of=version_of)
     ]
     reasons += _version_changes(plan.versions, version_of)
+    reasons += _model_changes(plan)
     reasons += _data_changes(plan)
     reasons += _config_changes(plan)
     return reasons
@@ -275,6 +278,31 @@ def _version_changes(versions: Versions, version_of: VersionLookup) -> list[Issu
             was, became = planned or "not installed", now or "not installed"
             issues.append(Issue(f"versions.{name}", f"{name} {was} → {became}"))
     return issues
+
+
+def _model_changes(plan: Plan) -> list[Issue]:
+    """A Hub model's revision (a branch or tag) that now points at another commit in the cache."""
+    section, planned = plan.config.model, plan.model.commit
+    if plan.model.source != "hub" or section.hub is None or planned is None:
+        return []
+    revision = section.revision or DEFAULT_REVISION
+    try:
+        now = hub.resolve(section.hub, revision).commit
+    except hub.NotCached as exc:
+        return [
+            Issue(
+                "model.hub",
+                f"{exc.reason} any more (planned: commit {short_hash(planned)})",
+            )
+        ]
+    except ImportError:
+        return [Issue("model.hub", "huggingface_hub, which finds Hub models, is not installed")]
+    if now == planned:
+        return []
+    change = f"commit {short_hash(planned)} → {short_hash(now)}"
+    return [
+        Issue("model.hub", f"{section.hub} revision {revision!r} moved since planning ({change})")
+    ]
 
 
 def _data_changes(plan: Plan) -> list[Issue]:

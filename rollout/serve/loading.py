@@ -283,7 +283,7 @@ def _from_config(path: Path, name: str | None) -> ServeSource:
         stop=tuple(generation.stop),
     )
     section = config.model
-    default_name = section.builtin or section.package or config.run.name
+    default_name = section.builtin or section.package or section.hub or config.run.name
     return ServeSource(
         section,
         path.resolve().parent,

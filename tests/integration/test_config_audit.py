@@ -54,7 +54,7 @@ from rollout.planner.definition import Plan
 from rollout.planner.hardware import probe_hardware
 from rollout.planner.lockfile import write_plan
 from rollout.storage import open_store
-from tests.conftest import write_toml
+from tests.conftest import COMMITS, HUB_ID, HubCache, write_toml
 
 pytestmark = pytest.mark.slow
 
@@ -223,6 +223,10 @@ def _prepare(workdir: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(llama / name, tokenizer / name)
     (tokenizer / "chat_template.jinja").write_text(TEMPLATE, encoding="utf-8")
+    # A Hugging Face cache (HF_HUB_CACHE, set by the audit fixture) with two commits of a model.
+    hub = HubCache(workdir / "hf-hub", llama)
+    hub.add(commit=COMMITS[0])
+    hub.add(commit=COMMITS[1], ref="v2")
 
 
 # --- plans and runs ------------------------------------------------------------------------------
@@ -693,6 +697,22 @@ SECTION_CASES: dict[str, list[Case]] = {
     "model.builtin": [
         plan_shows("grpo", {"model.builtin": "tiny-qwen2"}, lambda p: p.model.model_type)
     ],
+    "model.hub": [
+        plan_shows(
+            "grpo",
+            {"model.hub": HUB_ID, "model.builtin": DELETE},
+            lambda p: (p.model.source, p.model.location),
+        )
+    ],
+    # The test's Hugging Face cache holds two commits: refs/main -> COMMITS[0], refs/v2 -> [1].
+    "model.revision": [
+        plan_shows(
+            "grpo",
+            {"model.revision": "v2"},
+            lambda p: p.model.commit,
+            base={"model.hub": HUB_ID, "model.builtin": DELETE},
+        )
+    ],
     # models/mixed holds a Hugging Face model and a GGUF file: unless told which, plan refuses.
     "model.file": [
         plan_shows(
@@ -937,7 +957,9 @@ def audit(tmp_path_factory) -> Iterator[Audit]:
     _prepare(workdir)
     sys.path.insert(0, str(workdir / "site"))
     try:
-        yield Audit(workdir)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("HF_HUB_CACHE", str(workdir / "hf-hub"))
+            yield Audit(workdir)
     finally:
         sys.path.remove(str(workdir / "site"))
 

@@ -33,7 +33,7 @@ def test_model_is_a_builtin_name_a_path_or_a_package(tmp_path, monkeypatch):
     choice = choose_model(config=None, model="tiny-qwen2")
     assert choice.facts.location == "builtin:tiny-qwen2"
     with pytest.raises(RolloutError) as caught:
-        choose_model(config=None, model="HuggingFaceTB/SmolLM2-135M-Instruct")
+        choose_model(config=None, model="no-such-model")  # a Hub id is org/name: test_hub_models
     (issue,) = caught.value.issues
     assert issue.path == "--model"
     assert "not a file or directory, not a builtin model" in issue.message
