@@ -253,7 +253,7 @@ def render(results: list[dict[str, Any]], info: dict[str, Any]) -> None:
     compiled = "compiled" in results[0]
     columns = ["batch", "rollout HfEngine", "transformers generate", "ratio"]
     if compiled:
-        columns += ["generate, static cache, compiled", "ratio", "compiling call (s)"]
+        columns += ["compiled generate", "ratio", "compile call (s)"]
     for column in columns:
         table.add_column(column, justify="right")
     for r in results:
