@@ -30,6 +30,8 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,9 +88,20 @@ def resolve_device(device: str) -> str:
     """'auto' is cuda when torch sees a GPU, else cpu."""
     if device != "auto":
         return device
-    import torch
+    return "cuda" if ask_torch("torch.cuda.is_available()") == "True" else "cpu"
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+
+def ask_torch(expression: str) -> str:
+    """`expression` printed by a fresh interpreter that imported torch: asked apart, so that the
+    benchmark's parent process (which only launches and measures the sides) never opens a CUDA
+    context of its own, whose memory would sit on the GPU beside theirs."""
+    done = subprocess.run(
+        [sys.executable, "-c", f"import torch; print({expression})"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout.strip()
 
 
 def resolve_dtype(dtype: str | None, device: str) -> str:
@@ -269,9 +282,7 @@ def describe(choice: ModelChoice, device: str, dtype: str) -> dict[str, Any]:
 
 def device_name(device: str) -> str:
     if device == "cuda":
-        import torch
-
-        return torch.cuda.get_device_name(0)
+        return ask_torch("torch.cuda.get_device_name(0)")
     try:
         for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
             if line.startswith("model name"):
