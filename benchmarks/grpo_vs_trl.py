@@ -97,6 +97,11 @@ class ProcessStats:
     every descendant its parent waited for."""
     tree_peak_rss_gib: float
     """The largest sum of RSS over the live process tree, sampled every POLL_S."""
+    gpu_peak_gib: float | None = None
+    """On cuda: the most GPU memory in use on device 0 (nvidia-smi's memory.used, sampled every
+    POLL_S) above what was in use at launch. The whole device's: the parent never opens a CUDA
+    context and the sides run one at a time, so it is the side's, if no other job uses the GPU
+    (whose processes cannot be told apart from inside a container). None on cpu."""
 
 
 @dataclass(frozen=True)
@@ -157,12 +162,15 @@ def build_job(args: argparse.Namespace) -> tuple[Job, dict[str, Any]]:
 # --- measuring a subprocess ----------------------------------------------------------------------
 
 
-def run_measured(command: list[str], log_path: Path) -> ProcessStats:
-    """Run `command` with CHILD_ENV, its output into `log_path`; fail loudly if it fails."""
+def run_measured(command: list[str], log_path: Path, *, gpu: bool = False) -> ProcessStats:
+    """Run `command` with CHILD_ENV, its output into `log_path`; fail loudly if it fails.
+    `gpu`: also sample the GPU memory in use (ProcessStats.gpu_peak_gib)."""
     import psutil  # a dependency of accelerate, which both sides need
 
     started = time.perf_counter()
     tree_peak = 0
+    gpu_baseline = gpu_used_bytes() if gpu else None
+    gpu_peak = gpu_baseline
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             command, env={**os.environ, **CHILD_ENV}, stdout=log, stderr=subprocess.STDOUT
@@ -173,6 +181,8 @@ def run_measured(command: list[str], log_path: Path) -> ProcessStats:
             if pid:
                 break
             tree_peak = max(tree_peak, tree_rss(psutil, process.pid))
+            if gpu_peak is not None:
+                gpu_peak = max(gpu_peak, gpu_used_bytes() or 0)
             time.sleep(POLL_S)
     process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode != 0:
@@ -185,7 +195,25 @@ def run_measured(command: list[str], log_path: Path) -> ProcessStats:
         wall_s=time.perf_counter() - started,
         peak_rss_gib=usage.ru_maxrss * 1024 / GIB,  # kilobytes on Linux
         tree_peak_rss_gib=tree_peak / GIB,
+        gpu_peak_gib=None
+        if gpu_peak is None or gpu_baseline is None
+        else (gpu_peak - gpu_baseline) / GIB,
     )
+
+
+def gpu_used_bytes() -> int | None:
+    """Memory in use on GPU 0, by nvidia-smi (None where it cannot tell)."""
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+        return int(float(done.stdout.strip().splitlines()[0])) << 20  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
 
 
 def tree_rss(psutil: Any, pid: int) -> int:
@@ -218,7 +246,7 @@ def run_rollout(job: Job, workdir: Path, log: Path) -> Side:
     for key, value in overrides.items():
         command += ["--set", f"{key}={value}"]
     print("rollout:", " ".join(command), flush=True)
-    process = run_measured(command, log)
+    process = run_measured(command, log, gpu=job.device == "cuda")
 
     from rollout.planner.lockfile import read_plan
 
@@ -303,7 +331,7 @@ def run_trl(job: Job, workdir: Path, log: Path, *, gradient_checkpointing: bool 
     )
     command = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(job_path)]
     print(f"{name}:", " ".join(command), flush=True)
-    process = run_measured(command, log)
+    process = run_measured(command, log, gpu=job.device == "cuda")
     series = json.loads(result_path.read_text())
     timed = {name: values[job.warmup :] for name, values in series.items()}
     return Side(
@@ -490,6 +518,7 @@ ROWS = (
     ("training (rest of the step), s/step", "train_s_mean", 2, True),
     ("peak RSS, largest process (GiB)", "peak_rss_gib", 2, True),
     ("peak RSS, process tree (GiB)", "tree_peak_rss_gib", 2, True),
+    ("peak GPU memory in use (GiB)", "gpu_peak_gib", 2, True),
     ("wall time with start-up (s)", "wall_s", 0, False),
 )
 
@@ -512,6 +541,8 @@ def render(results: dict[str, dict[str, Any]], job: Job, model: dict[str, Any]) 
     for name in baselines:
         table.add_column(f"rollout / {name}", justify="right")
     for label, key, digits, with_ratio in ROWS:
+        if any(results[name][key] is None for name in names):
+            continue  # the GPU row, on cpu
         cells = [f"{results[name][key]:.{digits}f}" for name in names]
         for name in baselines:
             ratio = results["rollout"][key] / results[name][key]
@@ -531,6 +562,11 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
             "peak_rss": rollout["peak_rss_gib"] / trl["peak_rss_gib"],
             "tree_peak_rss": rollout["tree_peak_rss_gib"] / trl["tree_peak_rss_gib"],
         }
+        | (
+            {"gpu_peak": rollout["gpu_peak_gib"] / trl["gpu_peak_gib"]}
+            if rollout["gpu_peak_gib"] and trl["gpu_peak_gib"]
+            else {}
+        )
         for name, trl in results.items()
         if name != "rollout"
     }

@@ -196,7 +196,7 @@ def run_rollout(job: Job, workdir: Path, log: Path) -> Side:
     path.write_text(tomli_w.dumps(config), encoding="utf-8")
     command = [rollout_cli(), "run", "--config", str(path)]
     print("rollout:", " ".join(command), flush=True)
-    process = run_measured(command, log)
+    process = run_measured(command, log, gpu=job.device == "cuda")
 
     from rollout.planner.lockfile import read_plan
     from rollout.storage import open_store
@@ -233,7 +233,7 @@ def run_worker(side: str, job: Job, workdir: Path, log: Path) -> Side:
     spec.write_text(json.dumps({"side": side, "job": asdict(job), "result": str(result)}))
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec)]
     print(f"{side}:", " ".join(command), flush=True)
-    process = run_measured(command, log)
+    process = run_measured(command, log, gpu=job.device == "cuda")
     step_s = json.loads(result.read_text())["step_s"]
     return Side(name=side, step_s=step_s[job.warmup :], process=asdict(process))
 
@@ -396,6 +396,7 @@ ROWS = (
     ("tokens/s (median step)", "tokens_per_s", 0, True),
     ("peak RSS, largest process (GiB)", "peak_rss_gib", 2, False),
     ("peak RSS, process tree (GiB)", "tree_peak_rss_gib", 2, False),
+    ("peak GPU memory in use (GiB)", "gpu_peak_gib", 2, False),
     ("wall time with start-up (s)", "wall_s", 0, False),
     ("reference pass before step 1 (s)", "reference_pass_s", 1, False),
 )
@@ -415,11 +416,14 @@ def render(title: str, results: dict[str, dict[str, Any]], unit: str) -> None:
         table.add_column(f"rollout / {other}", justify="right")
     for label, key, digits, _ in ROWS:
         key = key.format(unit=unit)
-        if not any(key in results[n] for n in names):
+        if not any(results[n].get(key) is not None for n in names):
             continue
-        cells = [f"{results[n][key]:.{digits}f}" if key in results[n] else "" for n in names]
+        cells = [
+            f"{results[n][key]:.{digits}f}" if results[n].get(key) is not None else ""
+            for n in names
+        ]
         for other in others if "rollout" in results else []:
-            both = key in results["rollout"] and key in results[other]
+            both = results["rollout"].get(key) is not None and results[other].get(key) is not None
             ratio = results["rollout"][key] / results[other][key] if both else None
             cells.append(f"{ratio:.2f}x" if ratio and key != "wall_s" else "")
         table.add_row(label.format(unit=unit), *cells)
@@ -430,15 +434,23 @@ def ratios(results: dict[str, dict[str, Any]], unit: str) -> dict[str, float]:
     if "rollout" not in results:
         return {}
     rollout = results["rollout"]
-    return {
-        f"{unit}_per_s_over_{name}": rollout[f"{unit}_per_s"] / side[f"{unit}_per_s"]
-        for name, side in results.items()
-        if name != "rollout"
-    } | {
-        f"peak_rss_over_{name}": rollout["peak_rss_gib"] / side["peak_rss_gib"]
-        for name, side in results.items()
-        if name != "rollout"
-    }
+    return (
+        {
+            f"{unit}_per_s_over_{name}": rollout[f"{unit}_per_s"] / side[f"{unit}_per_s"]
+            for name, side in results.items()
+            if name != "rollout"
+        }
+        | {
+            f"peak_rss_over_{name}": rollout["peak_rss_gib"] / side["peak_rss_gib"]
+            for name, side in results.items()
+            if name != "rollout"
+        }
+        | {
+            f"gpu_peak_over_{name}": rollout["gpu_peak_gib"] / side["gpu_peak_gib"]
+            for name, side in results.items()
+            if name != "rollout" and rollout["gpu_peak_gib"] and side["gpu_peak_gib"]
+        }
+    )
 
 
 # --- main ----------------------------------------------------------------------------------------
