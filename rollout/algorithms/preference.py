@@ -45,7 +45,7 @@ def ranking_accuracy(desirable: Tensor, undesirable: Tensor) -> Tensor:
     either side is empty. Computed from average ranks (Mann-Whitney U), in O((D + U) log(D + U)).
     """
     if desirable.numel() == 0 or undesirable.numel() == 0:
-        return torch.tensor(0.5)
+        return torch.tensor(0.5, device=desirable.device)
     scores = torch.cat([desirable, undesirable]).double()
     ranks = _average_ranks(scores)
     d, u = desirable.numel(), undesirable.numel()

@@ -29,7 +29,7 @@ SetOption = Annotated[
         "-s",
         metavar="KEY=VALUE",
         help="Override one value, e.g. --set algorithm.lr=1e-5 (repeatable). VALUE is "
-        "read as TOML (null unsets a key); anything else is a string.",
+        "read as TOML (null unsets a key: None, or its default); anything else is a string.",
     ),
 ]
 FormatOption = Annotated[

@@ -227,7 +227,9 @@ def apply_overrides(
     VALUE is read as a TOML value (``3``, ``1e-5``, ``true``, ``"text"``, ``[1, 2]``,
     ``{ a = 1 }``); anything that is not valid TOML is taken as a plain string, so
     ``--set model.path=./ckpt`` works without quoting, and so does a date (``2024-01-01`` is
-    the text typed); ``null`` unsets an optional key (e.g. ``--set data.eval=null``).
+    the text typed); ``null`` unsets a key: None where the key takes None (``--set
+    data.eval=null``), else its default (``--set cluster.device=null``: validate_config leaves
+    out a null its field refuses).
     ``rewards[0].weight=2`` indexes a list. The values are checked with the rest of the config
     by validate_config.
     """
@@ -276,7 +278,7 @@ def _parse_override(override: str) -> tuple[list[str | int], Any]:
 
 
 def _parse_value(text: str) -> Any:
-    if text == "null":  # TOML has no null; this is how an override unsets an optional key
+    if text == "null":  # TOML has no null; this is how an override unsets a key
         return None
     try:
         value = tomllib.loads(f"v = {text}")["v"]

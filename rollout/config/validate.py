@@ -53,12 +53,15 @@ def validate_config(raw: Mapping[str, Any], *, source: str | None = None) -> Run
             issues.append(unknown_key(str(key), list(fields), prefix=""))
     for name, info in fields.items():
         refused = [path[1:] for path in left_out if path[0] == name]
+        if name in cleaned and cleaned[name] is None and not info.is_required():
+            del cleaned[name]  # a section set to null is unset: its defaults
         if name not in cleaned:
             if info.is_required() and not refused:
                 issues.append(
                     Issue(name, f"missing required section [{name}]", hint=_describe(info))
                 )
             continue
+        cleaned[name] = _unset_refused_nulls(name, info, cleaned[name])
         area, found = _validate_area(name, info, cleaned[name], refused)
         issues.extend(found)
         if area is not None:
@@ -88,6 +91,33 @@ def _validate_area(
     found = [f for f in found if not (f.missing and _under(f.raw_path, refused))]
     bad = [*refused, *(f.raw_path for f in found)]
     return salvage(validate, value, bad), [f.issue for f in found]
+
+
+def _unset_refused_nulls(name: str, info: FieldInfo, value: Any) -> Any:
+    """``value`` without the table keys set to null that their field refuses: null unsets a key,
+    so it gets its default back (``--set cluster.device=null`` is "auto" again). A key whose
+    field takes None (max_grad_norm = null: no clipping) keeps it; a required key left out is
+    then reported missing."""
+    try:
+        _strictly(_adapter(name, info), value)
+        return value
+    except ValidationError as exc:
+        found = translate(exc, prefix=(name,), root=info.annotation)
+    nulls = [f.raw_path for f in found if not f.missing and _table_key_is_null(value, f.raw_path)]
+    return without(value, nulls)[0] if nulls else value
+
+
+def _table_key_is_null(value: Any, path: RawPath) -> bool:
+    """Whether ``path`` ends at a table key whose value is null (not a list item)."""
+    if not path or not isinstance(path[-1], str):
+        return False
+    node = value
+    for part in path[:-1]:
+        inside = node if isinstance(node, dict) else dict(enumerate(node or []))
+        if isinstance(node, str) or part not in inside:
+            return False
+        node = inside[part]
+    return isinstance(node, dict) and path[-1] in node and node[path[-1]] is None
 
 
 def _strictly(adapter: TypeAdapter[Any], value: Any) -> Any:

@@ -42,11 +42,11 @@ def pad_completions(
     length = max(len(r) for r in rows)
     longest = max(1, max(len(c) for c in completions))
     size = len(rows)
-    input_ids = torch.full((size, length), pad_id, dtype=torch.long)
-    attention = torch.zeros((size, length), dtype=torch.long)
-    mask = torch.zeros((size, longest), dtype=torch.bool)
+    input_ids = torch.full((size, length), pad_id, dtype=torch.long, device="cpu")
+    attention = torch.zeros((size, length), dtype=torch.long, device="cpu")
+    mask = torch.zeros((size, longest), dtype=torch.bool, device="cpu")
     for i, (row, completion) in enumerate(zip(rows, completions, strict=True)):
-        input_ids[i, length - len(row) :] = torch.tensor(row)
+        input_ids[i, length - len(row) :] = torch.tensor(row, device="cpu")
         attention[i, length - len(row) :] = 1
         if completion:
             mask[i, longest - len(completion) :] = True

@@ -131,15 +131,17 @@ def _save_weights(config: dict, path: Path) -> None:
 
     with torch.device("meta"):  # names and shapes only
         skeleton = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
-    generator = torch.Generator().manual_seed(SEED)
+    generator = torch.Generator("cpu").manual_seed(SEED)
     tensors = {}
     for name, param in sorted(skeleton.named_parameters()):  # named_parameters drops tied copies
         if param.dim() >= 2:
-            tensor = torch.randn(param.shape, generator=generator) / math.sqrt(param.shape[1])
+            tensor = torch.randn(param.shape, generator=generator, device="cpu") / math.sqrt(
+                param.shape[1]
+            )
         elif "norm" in name:
-            tensor = torch.ones(param.shape)
+            tensor = torch.ones(param.shape, device="cpu")
         else:
-            tensor = torch.zeros(param.shape)
+            tensor = torch.zeros(param.shape, device="cpu")
         tensors[name] = tensor.contiguous()
     save_file(tensors, str(path), metadata={"format": "pt"})
 

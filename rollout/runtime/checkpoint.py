@@ -324,10 +324,10 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what rng_state() returned."""
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8, device="cpu"))
     if torch.cuda.is_available():
         for device, saved in enumerate(state["cuda"][: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(torch.tensor(saved, dtype=torch.uint8), device)
+            torch.cuda.set_rng_state(torch.tensor(saved, dtype=torch.uint8, device="cpu"), device)
     numpy_state = dict(state["numpy"])
     numpy_state["state"] = {
         **numpy_state["state"],

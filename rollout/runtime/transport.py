@@ -28,15 +28,30 @@ import torch.distributed as dist
 # --- the process group ---------------------------------------------------------------------------
 
 
-def join_process_group(world_size: int, backend: str) -> None:
-    """Join the run's ranks (torchrun's environment says where they meet); one rank joins none."""
+_device = torch.device("cpu")
+"""Where the tensors this module makes travel from: the process group's backend decides, once, at
+join time (NCCL moves CUDA tensors only; gloo, and a single rank, use the CPU)."""
+
+
+def join_process_group(world_size: int, backend: str, local_rank: int = 0) -> None:
+    """Join the run's ranks (torchrun's environment says where they meet); one rank joins none.
+    With NCCL, metrics, counts and state travel from cuda:`local_rank`."""
+    global _device
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend)
+        _device = collective_device(backend, local_rank)
+
+
+def collective_device(backend: str, local_rank: int) -> torch.device:
+    """The device a backend's collectives take tensors on: cuda:`local_rank` for NCCL, else CPU."""
+    return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
 
 
 def leave_process_group() -> None:
+    global _device
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    _device = torch.device("cpu")
 
 
 def several_ranks() -> bool:
@@ -69,7 +84,7 @@ def average_gradients(params: Iterable[torch.Tensor]) -> None:
 
 def sum_metrics(values: list[float]) -> list[float]:
     """Element-wise sums of every rank's `values` (the same length everywhere); collective."""
-    stacked = torch.tensor(values, dtype=torch.float64)
+    stacked = torch.tensor(values, dtype=torch.float64, device=_device)
     dist.all_reduce(stacked)
     return stacked.tolist()
 
@@ -80,7 +95,7 @@ def average_token_count(tokens: float) -> float:
     token mean over every rank's tokens."""
     if not several_ranks():
         return tokens
-    count = torch.tensor([tokens], dtype=torch.float64)
+    count = torch.tensor([tokens], dtype=torch.float64, device=_device)
     dist.all_reduce(count)
     return count.item() / dist.get_world_size()
 
@@ -93,9 +108,10 @@ def gather_batch(values: torch.Tensor) -> torch.Tensor:
     alone without ranks)."""
     if not several_ranks():
         return values
-    parts = [torch.empty_like(values) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, values.contiguous())
-    return torch.cat(parts)
+    moving = values.to(_device).contiguous()  # a no-op where the backend takes them as they are
+    parts = [torch.empty_like(moving) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, moving)
+    return torch.cat(parts).to(values.device)
 
 
 # --- state ---------------------------------------------------------------------------------------
@@ -103,16 +119,16 @@ def gather_batch(values: torch.Tensor) -> torch.Tensor:
 
 def gather_state(value: Any) -> list[Any]:
     """Every rank's ``value``, in rank order (JSON-able values only); collective."""
-    payload = torch.tensor(list(json.dumps(value).encode()), dtype=torch.uint8)
+    payload = torch.tensor(list(json.dumps(value).encode()), dtype=torch.uint8, device=_device)
     world = dist.get_world_size()
-    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.long))
+    sizes = [torch.zeros(1, dtype=torch.long, device=_device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.long, device=_device))
     longest = max(int(s.item()) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=_device)
     padded[: payload.numel()] = payload
-    buffers = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
+    buffers = [torch.zeros(longest, dtype=torch.uint8, device=_device) for _ in range(world)]
     dist.all_gather(buffers, padded)
     return [
-        json.loads(bytes(buffer[: int(size.item())].tolist()).decode())
+        json.loads(bytes(buffer[: int(size.item())].cpu().tolist()).decode())
         for buffer, size in zip(buffers, sizes, strict=True)
     ]

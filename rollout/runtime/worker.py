@@ -134,7 +134,7 @@ def _setup_torch(context: WorkerContext) -> None:
         torch.cuda.set_device(context.local_rank)
     from rollout.runtime import transport
 
-    transport.join_process_group(context.world_size, context.plan.graph.backend)
+    transport.join_process_group(context.world_size, context.plan.graph.backend, context.local_rank)
 
 
 def _teardown_torch() -> None:

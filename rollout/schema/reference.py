@@ -61,7 +61,10 @@ unknown key is an error. Editors can check and complete the file with the JSON S
 
 Types read as follows: `int ≥ 1` is an integer of at least 1, `"hf" | "vllm"` is one of those
 strings, `float | None` may be left unset (None), `table` is a TOML table (`[section]` or
-`{ key = value }`). A default of *required* means the key must be given."""
+`{ key = value }`). A default of *required* means the key must be given. `null` (YAML, JSON, or
+`--set key=null`) unsets a key: it is None where the type allows None (`--set
+algorithm.max_grad_norm=null` turns clipping off), else the default (`--set cluster.device=null`
+is `"auto"` again)."""
 
 _EXAMPLE_NOTE = """\
 A complete GRPO run on a tiny random model (nothing is downloaded), saved as `run.toml` in the

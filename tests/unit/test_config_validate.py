@@ -256,6 +256,32 @@ def test_overrides_apply_toml_values_and_plain_strings(base_config):
     assert base_config["algorithm"].get("lr") is None  # the input was not mutated
 
 
+def test_null_unsets_a_key_to_its_default_or_to_none_where_it_takes_none(base_config):
+    from rollout.config.algorithm import GrpoConfig
+    from rollout.config.cluster import ClusterSection
+
+    changed = apply_overrides(base_config, ['cluster.device="cuda"', "algorithm.lr=0.5"])
+    config = validate_config(
+        apply_overrides(
+            changed, ["cluster.device=null", "algorithm.lr=null", "algorithm.max_grad_norm=null"]
+        )
+    )
+    assert config.cluster.device == ClusterSection().device == "auto"
+    assert config.algorithm.lr == GrpoConfig.model_fields["lr"].default
+    assert config.algorithm.max_grad_norm is None  # it takes None: no clipping
+    assert validate_config(apply_overrides(changed, ["cluster=null"])).cluster == ClusterSection()
+    # In a file too (YAML and JSON have null); a list item is never dropped.
+    from_file = validate_config(with_changes(base_config, cluster={"device": None}))
+    assert from_file.cluster.device == "auto"
+    stop = with_changes(base_config, generation={"stop": ["a", None]})
+    assert "generation.stop[1]" in issues_of(stop)
+
+
+def test_null_on_a_required_key_reports_it_missing(base_config):
+    found = issues_of(apply_overrides(base_config, ["algorithm.kind=null"]))
+    assert "algorithm.kind" in found
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [

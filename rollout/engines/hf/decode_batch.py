@@ -133,9 +133,9 @@ class DecodeBatch:
         self._decoders: dict[int | None, Decoder] = {}
         """packed_width -> the decoder for it."""
         self._weights_loaded = engine._weights_loaded
-        self._mask = torch.zeros(0, 0, dtype=torch.long)
+        self._mask = torch.zeros(0, 0, dtype=torch.long, device=engine._device)
         """[width, capacity]: which cache columns each row attends to."""
-        self._positions = torch.zeros(0, dtype=torch.long)
+        self._positions = torch.zeros(0, dtype=torch.long, device=engine._device)
         """[width]: the position id of each row's next token."""
         self._logits: torch.Tensor | None = None
         """[width, V]: next-token logits, to sample from."""
@@ -396,7 +396,8 @@ class DecodeBatch:
             return decoder.forward(input_ids, positions, prompt_mask, cache)
         prefix_cache = preallocated_cache(self._engine.model.config, shared)
         prefix = torch.tensor([prompts[0][:shared]], device=input_ids.device)
-        decoder.forward(prefix, torch.arange(shared)[None], torch.ones_like(prefix), prefix_cache)
+        prefix_positions = torch.arange(shared, device=prefix.device)[None]
+        decoder.forward(prefix, prefix_positions, torch.ones_like(prefix), prefix_cache)
         # Row i's prompt takes columns P - len_i .. P - 1, its prefix the first `shared` of them.
         # Columns from `tail` on are run for every row: the longest prompt's part after the
         # prefix, and in shorter rows some prefix tokens again (same keys and values) or padding.

@@ -10,12 +10,13 @@ import torch
 def left_pad(
     prompts: Sequence[Sequence[int]], pad_token_id: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts padded on the left to one width: (input_ids [B, P], attention_mask [B, P])."""
+    """Prompts padded on the left to one width: (input_ids [B, P], attention_mask [B, P]) on
+    `device`, built on the host and moved once (not one small copy per row)."""
     width = max(len(prompt) for prompt in prompts)
-    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long, device="cpu")
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long, device="cpu")
     for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long, device="cpu")
         attention_mask[row, width - len(prompt) :] = 1
     return input_ids.to(device), attention_mask.to(device)
 

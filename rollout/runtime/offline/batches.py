@@ -67,12 +67,12 @@ def pad_sequences(
 ) -> TokenBatch:
     """One sample per row, right-padded."""
     length = max(s.length for s in samples)
-    input_ids = torch.full((len(samples), length), pad_id, dtype=torch.long)
-    labels = torch.full((len(samples), length), IGNORE, dtype=torch.long)
-    attention = torch.zeros((len(samples), length), dtype=torch.long)
+    input_ids = torch.full((len(samples), length), pad_id, dtype=torch.long, device="cpu")
+    labels = torch.full((len(samples), length), IGNORE, dtype=torch.long, device="cpu")
+    attention = torch.zeros((len(samples), length), dtype=torch.long, device="cpu")
     for i, sample in enumerate(samples):
-        input_ids[i, : sample.length] = torch.tensor(sample.ids)
-        labels[i, : sample.length] = torch.tensor(_labels(sample))
+        input_ids[i, : sample.length] = torch.tensor(sample.ids, device="cpu")
+        labels[i, : sample.length] = torch.tensor(_labels(sample), device="cpu")
         attention[i, : sample.length] = 1
     padded = bool((attention == 0).any())
     return TokenBatch(
@@ -109,18 +109,18 @@ def pack_sequences(
             rows.append([sample])
             room.append(max_length - sample.length)
     length = max(max_length - free for free in room)
-    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
-    labels = torch.full((len(rows), length), IGNORE, dtype=torch.long)
-    positions = torch.zeros((len(rows), length), dtype=torch.long)
+    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long, device="cpu")
+    labels = torch.full((len(rows), length), IGNORE, dtype=torch.long, device="cpu")
+    positions = torch.zeros((len(rows), length), dtype=torch.long, device="cpu")
     for r, row in enumerate(rows):
         start = 0
         for sample in row:
             end = start + sample.length
-            input_ids[r, start:end] = torch.tensor(sample.ids)
-            labels[r, start:end] = torch.tensor(_labels(sample))
-            positions[r, start:end] = torch.arange(sample.length)
+            input_ids[r, start:end] = torch.tensor(sample.ids, device="cpu")
+            labels[r, start:end] = torch.tensor(_labels(sample), device="cpu")
+            positions[r, start:end] = torch.arange(sample.length, device="cpu")
             start = end
-        positions[r, start:] = torch.arange(length - start)
+        positions[r, start:] = torch.arange(length - start, device="cpu")
     return TokenBatch(
         input_ids=input_ids.to(device),
         labels=labels.to(device),

@@ -211,7 +211,7 @@ class Kto:
 
     ctx: Context
     streams: tuple[str, ...] = ("completion", "mismatched")
-    _z0: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    _z0: torch.Tensor = field(default_factory=lambda: torch.zeros((), device="cpu"))
 
     def reference_sums(self, model, split, indices):
         return {
@@ -357,7 +357,7 @@ class Sft:
                 total += float(loss)
                 tokens += int(metrics["tokens"])
         mean = total / max(1, tokens)
-        return {"loss": mean, "perplexity": float(torch.tensor(mean).exp())}
+        return {"loss": mean, "perplexity": float(torch.tensor(mean, device="cpu").exp())}
 
 
 def _logits(model: Any, batch: TokenBatch) -> torch.Tensor:

@@ -28,7 +28,7 @@ class CachedReference:
     def sums(
         self, split: str, streams: tuple[str, ...], indices: list[int], batch: CompletionBatch
     ) -> torch.Tensor:
-        rows = torch.tensor(indices)
+        rows = torch.tensor(indices, device="cpu")
         values = torch.cat([self.tables[f"{split}.{stream}"][rows] for stream in streams])
         return values.to(batch.input_ids.device)
 

@@ -114,7 +114,7 @@ def _gathered(values: dict[int, float], count: int, world_size: int) -> torch.Te
     if world_size > 1:
         shares = transport.gather_state({str(i): v for i, v in values.items()})
         values = {int(i): v for share in shares for i, v in share.items()}
-    return torch.tensor([values[i] for i in range(count)], dtype=torch.float32)
+    return torch.tensor([values[i] for i in range(count)], dtype=torch.float32, device="cpu")
 
 
 def _read(path: Path, key: dict[str, str]) -> dict[str, torch.Tensor] | None:

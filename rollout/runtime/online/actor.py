@@ -76,7 +76,7 @@ class Actor:
         scores = self.rewards.score(
             [prompts[i] for i in owners], texts, [self.format.reward_row(rows[i]) for i in owners]
         )
-        rewards = torch.tensor(scores.total, dtype=torch.float32)
+        rewards = torch.tensor(scores.total, dtype=torch.float32, device="cpu")
         batch = RolloutBatch(
             prompt_ids=[prompt_ids[i] for i in owners],
             completion_ids=[c.token_ids for c in completions],

@@ -100,16 +100,18 @@ def pad_for_learner(batch: RolloutBatch, pad_id: int, device: torch.device | str
     length = max(len(r) for r in rows)
     longest = max(1, max(len(c) for c in batch.completion_ids))
     size = len(rows)
-    input_ids = torch.full((size, length), pad_id, dtype=torch.long)
-    attention = torch.zeros((size, length), dtype=torch.long)
-    completion = torch.zeros((size, longest), dtype=torch.bool)
-    old = torch.zeros((size, longest), dtype=torch.float32)
+    input_ids = torch.full((size, length), pad_id, dtype=torch.long, device="cpu")
+    attention = torch.zeros((size, length), dtype=torch.long, device="cpu")
+    completion = torch.zeros((size, longest), dtype=torch.bool, device="cpu")
+    old = torch.zeros((size, longest), dtype=torch.float32, device="cpu")
     for i, (row, logprobs) in enumerate(zip(rows, batch.old_logprobs, strict=True)):
-        input_ids[i, length - len(row) :] = torch.tensor(row)
+        input_ids[i, length - len(row) :] = torch.tensor(row, device="cpu")
         attention[i, length - len(row) :] = 1
         if logprobs:
             completion[i, longest - len(logprobs) :] = True
-            old[i, longest - len(logprobs) :] = torch.tensor(logprobs, dtype=torch.float32)
+            old[i, longest - len(logprobs) :] = torch.tensor(
+                logprobs, dtype=torch.float32, device="cpu"
+            )
     # Positions count real tokens only, as the engine's did when it sampled with left padding.
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     advantages = batch.advantages
@@ -130,10 +132,10 @@ def pad_for_learner(batch: RolloutBatch, pad_id: int, device: torch.device | str
 
 def pad_left(rows: list[list[float]], width: int) -> torch.Tensor:
     """Ragged per-token values -> [B, width] float32, each row in its last columns (0 before)."""
-    padded = torch.zeros((len(rows), width), dtype=torch.float32)
+    padded = torch.zeros((len(rows), width), dtype=torch.float32, device="cpu")
     for i, row in enumerate(rows):
         if row:
-            padded[i, width - len(row) :] = torch.tensor(row, dtype=torch.float32)
+            padded[i, width - len(row) :] = torch.tensor(row, dtype=torch.float32, device="cpu")
     return padded
 
 

@@ -55,10 +55,10 @@ def shared_prefix_logprobs(
 
     # The distinct prompts, left-padded so that each ends at the last column.
     width = max(len(p) for p in prompts)
-    prompt_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    prompt_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long, device="cpu")
+    prompt_mask = torch.zeros((len(prompts), width), dtype=torch.long, device="cpu")
     for i, prompt in enumerate(prompts):
-        prompt_ids[i, width - len(prompt) :] = torch.tensor(prompt)
+        prompt_ids[i, width - len(prompt) :] = torch.tensor(prompt, device="cpu")
         prompt_mask[i, width - len(prompt) :] = 1
     prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
 
@@ -78,13 +78,15 @@ def shared_prefix_logprobs(
     # attended to by the row's real tokens.
     lengths = [len(c) for c in batch.completion_ids]
     longest = max(1, max(lengths))
-    completion_ids = torch.full((len(batch), longest), pad_token_id, dtype=torch.long)
-    completion_mask = torch.zeros((len(batch), longest), dtype=torch.long)
+    completion_ids = torch.full((len(batch), longest), pad_token_id, dtype=torch.long, device="cpu")
+    completion_mask = torch.zeros((len(batch), longest), dtype=torch.long, device="cpu")
     for i, completion in enumerate(batch.completion_ids):
-        completion_ids[i, : len(completion)] = torch.tensor(completion, dtype=torch.long)
+        completion_ids[i, : len(completion)] = torch.tensor(
+            completion, dtype=torch.long, device="cpu"
+        )
         completion_mask[i, : len(completion)] = 1
     prompt_lengths = prompt_mask.sum(-1)[rows.cpu()]
-    positions = prompt_lengths[:, None] + torch.arange(longest)[None, :]
+    positions = prompt_lengths[:, None] + torch.arange(longest, device="cpu")[None, :]
     mask = torch.cat([prompt_mask[rows.cpu()], completion_mask], dim=1)
     out = model(
         input_ids=completion_ids.to(device),
@@ -98,7 +100,7 @@ def shared_prefix_logprobs(
     # for k = 0, the completion's position k - 1 after that.
     logits = torch.cat([prompt_out.logits[rows], out.logits[:, : longest - 1]], dim=1)
     right = token_logprobs(logits, completion_ids.to(device), temperature)  # [B, K], from col 0
-    mask = _right_mask(lengths, longest).to(right.device)
+    mask = _right_mask(lengths, longest, right.device)
     logprobs = _align_right(right, lengths) * mask
     if not entropy:
         return logprobs
@@ -115,6 +117,8 @@ def _align_right(values: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     return values.gather(1, source)
 
 
-def _right_mask(lengths: list[int], longest: int) -> torch.Tensor:
-    columns = torch.arange(longest)[None, :]
-    return (columns >= torch.tensor([longest - n for n in lengths])[:, None]).float()
+def _right_mask(lengths: list[int], longest: int, device: torch.device) -> torch.Tensor:
+    """[B, longest] float: 1 in each row's last lengths[i] columns."""
+    columns = torch.arange(longest, device=device)[None, :]
+    firsts = torch.tensor([longest - n for n in lengths], device=device)
+    return (columns >= firsts[:, None]).float()

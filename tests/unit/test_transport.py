@@ -1,0 +1,38 @@
+"""The collectives' tensors follow the process group's backend: CUDA for NCCL, CPU for gloo."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rollout.runtime import transport
+
+
+def test_nccl_moves_tensors_from_the_local_gpu_and_gloo_from_the_cpu() -> None:
+    assert transport.collective_device("nccl", 3) == torch.device("cuda", 3)
+    assert transport.collective_device("gloo", 3) == torch.device("cpu")
+
+
+def test_the_device_is_chosen_when_joining_and_forgotten_when_leaving(monkeypatch) -> None:
+    joined: list[str] = []
+    monkeypatch.setattr(transport.dist, "is_initialized", lambda: bool(joined))
+    monkeypatch.setattr(
+        transport.dist, "init_process_group", lambda backend: joined.append(backend)
+    )
+    monkeypatch.setattr(transport.dist, "destroy_process_group", joined.clear)
+    transport.join_process_group(2, "nccl", local_rank=1)
+    assert joined == ["nccl"] and transport._device == torch.device("cuda", 1)
+    transport.leave_process_group()
+    assert transport._device == torch.device("cpu")
+    transport.join_process_group(1, "nccl", local_rank=1)  # one rank joins nothing
+    assert not joined and transport._device == torch.device("cpu")
+
+
+def test_gloo_collectives_run_on_the_cpu(tmp_path) -> None:
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        assert transport.sum_metrics([1.0, 2.5]) == [1.0, 2.5]
+        assert transport.gather_state({"cursor": [3, "é"]}) == [{"cursor": [3, "é"]}]
+    finally:
+        dist.destroy_process_group()
