@@ -98,6 +98,8 @@ def _unset_refused_nulls(name: str, info: FieldInfo, value: Any) -> Any:
     so it gets its default back (``--set cluster.device=null`` is "auto" again). A key whose
     field takes None (max_grad_norm = null: no clipping) keeps it; a required key left out is
     then reported missing."""
+    if not _holds_null(value):  # the usual case: nothing to unset, no second validation
+        return value
     try:
         _strictly(_adapter(name, info), value)
         return value
@@ -105,6 +107,14 @@ def _unset_refused_nulls(name: str, info: FieldInfo, value: Any) -> Any:
         found = translate(exc, prefix=(name,), root=info.annotation)
     nulls = [f.raw_path for f in found if not f.missing and _table_key_is_null(value, f.raw_path)]
     return without(value, nulls)[0] if nulls else value
+
+
+def _holds_null(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(_holds_null(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_holds_null(v) for v in value)
+    return value is None
 
 
 def _table_key_is_null(value: Any, path: RawPath) -> bool:
