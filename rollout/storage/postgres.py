@@ -49,6 +49,7 @@ T = TypeVar("T")
 RECONNECT_S = 30.0
 """How long a dropped connection is retried before the write fails (SQLite's busy timeout)."""
 CONNECT_TIMEOUT_S = 10
+IDLE_IN_TRANSACTION = "60s"
 # Advisory lock classes (the first key of the two-key form), so rollout's locks never meet
 # another application's single-key ones.
 ROLLED_BACK = (psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected)
@@ -201,6 +202,11 @@ class PostgresRunStore(SqlRunStore):
 
     def _connect(self) -> None:
         self._conn = psycopg.connect(self._dsn, autocommit=False, row_factory=dict_row)
+        # A writer's transaction runs its statements back to back. One left open (its machine
+        # vanished mid-batch, which the server learns late) would hold its run's log lock
+        # from every other writer: the server ends such a session instead.
+        self._conn.execute(f"SET idle_in_transaction_session_timeout = '{IDLE_IN_TRANSACTION}'")
+        self._conn.commit()
 
     def _is_lost(self) -> bool:
         return self._conn is None or self._conn.closed or self._conn.broken
