@@ -50,10 +50,10 @@ RECONNECT_S = 30.0
 """How long a dropped connection is retried before the write fails (SQLite's busy timeout)."""
 CONNECT_TIMEOUT_S = 10
 IDLE_IN_TRANSACTION = "60s"
-# Advisory lock classes (the first key of the two-key form), so rollout's locks never meet
-# another application's single-key ones.
 ROLLED_BACK = (psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected)
 """Errors for which the server rolled the transaction back and asks for it again."""
+# Advisory lock classes (the first key of the two-key form), so rollout's locks never meet
+# another application's single-key ones.
 MIGRATION_LOCK = 0x526F6C6C  # "Roll"
 LOGS_LOCK = 0x526F6C6D
 
@@ -212,10 +212,17 @@ class PostgresRunStore(SqlRunStore):
         return self._conn is None or self._conn.closed or self._conn.broken
 
     def _retryable(self, error: psycopg.Error) -> bool:
-        """Whether running the transaction again can succeed: the connection dropped (a server
-        restart, pg_terminate_backend, a network cut) or the server rolled it back (deadlock,
-        serialization failure)."""
-        return self._is_lost() or isinstance(error, ROLLED_BACK)
+        """Whether running the transaction again can succeed: the server rolled it back
+        (deadlock, serialization failure), or the connection failed (a server restart,
+        pg_terminate_backend, a network cut). A connection in doubt is closed, never used
+        again: one killed in the middle of a pipeline can fail with 'cannot exit pipeline mode
+        while busy' and still look open."""
+        if isinstance(error, ROLLED_BACK):
+            return True
+        if self._is_lost() or _connection_failed(error):
+            self.close()
+            return True
+        return False
 
     def _retrying(self, op: Callable[[], T]) -> T:
         """`op` in one transaction, run again (on a new connection if the old one dropped)
@@ -336,6 +343,15 @@ def describe_target(dsn: str) -> str:
     database = params.get("dbname") or params.get("user") or "(default)"
     user = f" as {params['user']}" if params.get("user") else ""
     return redact_text(f"database {database} on {host}:{port}{user}")
+
+
+def _connection_failed(error: psycopg.Error) -> bool:
+    """The connection failed, not the statement: an OperationalError with no SQLSTATE (raised by
+    the client), or a connection exception (08...) or shutdown (57P0x) from the server."""
+    state = error.sqlstate or ""
+    return isinstance(error, psycopg.OperationalError) and (
+        not state or state.startswith(("08", "57P"))
+    )
 
 
 def _first_line(error: BaseException) -> str:
