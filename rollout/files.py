@@ -16,7 +16,9 @@ own option or config key.
 from __future__ import annotations
 
 import os
+import re
 import stat
+from pathlib import Path
 from typing import BinaryIO
 
 _KINDS = (
@@ -113,6 +115,29 @@ def read_capped(path: str | os.PathLike[str], *, limit: int, what: str) -> bytes
                 f"is {_human(max(size, len(data)))}, larger than {what} may be ({_human(limit)})"
             )
     return data
+
+
+_SECRET_FILE_LIMIT = 64 * 1024
+
+SECRET_REF = re.compile(r"^(env:[A-Za-z_][A-Za-z0-9_]*|file:.+)$")
+"""A reference to a secret: ``env:NAME`` (an environment variable) or ``file:/path``. Configs,
+plans and command lines hold these, never the secret itself."""
+
+
+def read_secret(reference: str) -> str:
+    """The secret an `env:NAME` or `file:/path` reference names, stripped. ValueError (or an
+    OSError for an unreadable file) when there is none; messages name the place, never the
+    content."""
+    if reference.startswith("env:"):
+        name = reference.removeprefix("env:")
+        value, where = os.environ.get(name, ""), f"environment variable {name}"
+    else:
+        path = Path(reference.removeprefix("file:")).expanduser()
+        data = read_capped(path, limit=_SECRET_FILE_LIMIT, what="a secret file")
+        value, where = data.decode("utf-8"), str(path)
+    if not value.strip():
+        raise ValueError(f"the secret in {where} is not set or empty")
+    return value.strip()
 
 
 def _kind_refusal(mode: int) -> str | None:

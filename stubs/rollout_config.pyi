@@ -1064,8 +1064,8 @@ class SftConfig(TypedDict):
 
 class StorageSection(TypedDict):
     backend: NotRequired[Literal["sqlite", "postgres"]]
-    """Run store: 'sqlite' (embedded, one file) or 'postgres' (for runs whose workers live on
-    several machines).
+    """Run store: 'sqlite' (embedded, one file) or 'postgres' (one database for runs whose
+    workers live on several machines; pip install 'rollout[postgres]').
 
     Default: 'sqlite'."""
     sqlite_path: NotRequired[str | None]
@@ -1073,8 +1073,9 @@ class StorageSection(TypedDict):
 
     Default: None."""
     postgres_dsn: NotRequired[str | None]
-    """Postgres DSN, as a reference only ('env:ROLLOUT_PG_DSN'), never the DSN itself. Required
-    when backend is 'postgres'.
+    """Postgres DSN, as a reference only ('env:ROLLOUT_PG_DSN' or 'file:/path'), never the DSN
+    itself. The DSN is libpq's 'host=... dbname=... user=...' or a postgresql:// URL;
+    options='-csearch_path=SCHEMA' picks the schema. Required when backend is 'postgres'.
 
     Default: None."""
     artifacts: NotRequired[str | None]

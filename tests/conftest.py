@@ -128,3 +128,67 @@ def config_file(tmp_path: Path) -> Callable[..., Path]:
         return path
 
     return write
+
+
+# --- run stores: every run-store test runs against SQLite and Postgres
+
+POSTGRES_TEST_ENV = "ROLLOUT_TEST_PG_DSN"
+"""Where the tests' Postgres server is (a libpq DSN); the machines' server by default."""
+POSTGRES_TEST_DSN = "host=127.0.0.1 port=5432 dbname=test user=postgres"
+STORE_DSN_ENV = "ROLLOUT_PG_DSN"
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> str:
+    """The DSN of a Postgres server the tests may create schemas in; skips, saying why, where
+    psycopg is missing or no server answers."""
+    dsn = os.environ.get(POSTGRES_TEST_ENV) or POSTGRES_TEST_DSN
+    try:
+        import psycopg
+    except ImportError:
+        pytest.skip("psycopg is not installed: pip install 'rollout[postgres]'")
+    try:
+        psycopg.connect(dsn, connect_timeout=3).close()
+    except psycopg.OperationalError as error:
+        reason = str(error).strip().splitlines()[0]
+        pytest.skip(f"no Postgres server answers at {dsn} (set {POSTGRES_TEST_ENV}): {reason}")
+    return dsn
+
+
+@pytest.fixture
+def postgres_location(postgres_server: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """`postgres:env:ROLLOUT_PG_DSN`, its DSN naming a fresh schema of this test's own (first in
+    search_path), dropped after it. Child processes inherit the variable."""
+    import secrets
+
+    import psycopg
+    from psycopg import conninfo, sql
+
+    schema = f"rollout_test_{secrets.token_hex(6)}"
+    with psycopg.connect(postgres_server, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+    monkeypatch.setenv(
+        STORE_DSN_ENV, conninfo.make_conninfo(postgres_server, options=f"-csearch_path={schema}")
+    )
+    try:
+        yield f"postgres:env:{STORE_DSN_ENV}"
+    finally:
+        with psycopg.connect(postgres_server, autocommit=True) as admin:
+            # A connection a failed test left in a transaction on this schema's tables must
+            # not hang the drop (and only those: other sessions share the server).
+            admin.execute(
+                "SELECT pg_terminate_backend(locks.pid) FROM pg_locks AS locks "
+                "JOIN pg_class ON locks.relation = pg_class.oid "
+                "JOIN pg_namespace ON pg_class.relnamespace = pg_namespace.oid "
+                "WHERE pg_namespace.nspname = %s AND locks.pid <> pg_backend_pid()",
+                [schema],
+            )
+            admin.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(schema)))
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_location(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A location for an empty run store, once per backend."""
+    if request.param == "postgres":
+        return request.getfixturevalue("postgres_location")
+    return f"sqlite:{tmp_path / 'runs' / 'rollout.db'}"

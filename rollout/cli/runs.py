@@ -32,8 +32,8 @@ StoreOption = Annotated[
     typer.Option(
         "--store",
         metavar="LOCATION",
-        help="Run store, e.g. sqlite:/path/to/rollout.db. Default: $ROLLOUT_STORE, else "
-        "sqlite:runs/rollout.db in the current directory.",
+        help="Run store: sqlite:/path/to/rollout.db, or postgres:env:NAME (the variable holds "
+        "the DSN). Default: $ROLLOUT_STORE, else sqlite:runs/rollout.db in the current directory.",
         show_default=False,
     ),
 ]

@@ -8,20 +8,17 @@ reaches a config file, a plan.lock or a log.
 
 from __future__ import annotations
 
-import re
 from typing import Annotated
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, Field
 
+from rollout.files import SECRET_REF
 from rollout.redact import redact_text
-
-_ENV_REF = re.compile(r"^env:[A-Za-z_][A-Za-z0-9_]*$")
-_FILE_REF = re.compile(r"^file:.+$")
 
 
 def check_secret_ref(value: str) -> str:
-    if _ENV_REF.match(value) or _FILE_REF.match(value):
+    if SECRET_REF.match(value):
         return value
     if value.startswith("env:"):
         raise ValueError(
@@ -49,7 +46,7 @@ def check_no_inline_credentials(value: str) -> str:
 SecretRef = Annotated[
     str,
     AfterValidator(check_secret_ref),
-    Field(json_schema_extra={"pattern": r"^(env:[A-Za-z_][A-Za-z0-9_]*|file:.+)$"}),
+    Field(json_schema_extra={"pattern": SECRET_REF.pattern}),
 ]
 """A reference to a secret: ``env:NAME`` or ``file:/path``. Never the secret itself."""
 

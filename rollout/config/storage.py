@@ -13,8 +13,8 @@ from rollout.config.secrets import LocalPath, Location, SecretRef
 class StorageSection(ConfigModel):
     backend: Literal["sqlite", "postgres"] = Field(
         default="sqlite",
-        description="Run store: 'sqlite' (embedded, one file) or 'postgres' (for runs whose workers "
-        "live on several machines).",
+        description="Run store: 'sqlite' (embedded, one file) or 'postgres' (one database for runs "
+        "whose workers live on several machines; pip install 'rollout[postgres]').",
     )
     sqlite_path: LocalPath | None = Field(
         default=None,
@@ -23,8 +23,10 @@ class StorageSection(ConfigModel):
     )
     postgres_dsn: SecretRef | None = Field(
         default=None,
-        description="Postgres DSN, as a reference only ('env:ROLLOUT_PG_DSN'), never the DSN "
-        "itself. Required when backend is 'postgres'.",
+        description="Postgres DSN, as a reference only ('env:ROLLOUT_PG_DSN' or 'file:/path'), "
+        "never the DSN itself. The DSN is libpq's 'host=... dbname=... user=...' or a "
+        "postgresql:// URL; options='-csearch_path=SCHEMA' picks the schema. Required when "
+        "backend is 'postgres'.",
     )
     artifacts: Location | None = Field(
         default=None,

@@ -51,6 +51,7 @@ from rollout.planner.memory import (
 from rollout.planner.placement import build_graph
 from rollout.planner.reward_model import model_directory_of, resolve_reward_model
 from rollout.planner.runnable import run_refusals
+from rollout.planner.store_check import store_issues
 from rollout.planner.trackers import tracker_issues
 from rollout.plugins.identity import PluginIdentity, installed_version
 from rollout.seeds import derive_seed
@@ -103,6 +104,7 @@ def build_plan(
         issues.extend(_remote_code_issues(run_config, model))
     issues.extend(_device_issues(run_config, device))
     issues.extend(tracker_issues(run_config))
+    issues.extend(store_issues(run_config))
     graph = build_graph(run_config, device) if device is not None else None
     if graph is not None:
         issues.extend(_learner_split_issues(run_config, graph))

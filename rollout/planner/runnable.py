@@ -10,6 +10,7 @@ its check.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Iterator
 
 from rollout.config.root import RunConfig
@@ -34,14 +35,12 @@ def run_refusals(config: RunConfig, graph: Graph | None = None) -> list[Issue]:
 
 @check
 def _store_backend(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
-    if config.storage.backend == "postgres":
+    if config.storage.backend == "postgres" and importlib.util.find_spec("psycopg") is None:
         yield Issue(
             "storage.backend",
-            "the postgres run store is not available in this version of rollout: runs record "
-            "into SQLite only",
+            "the postgres run store needs psycopg 3, which is not installed here",
             value="postgres",
-            hint='use backend = "sqlite" (the default; set storage.sqlite_path to choose the '
-            "file) and remove storage.postgres_dsn",
+            hint="pip install 'rollout[postgres]' (or: pip install 'psycopg[binary]>=3.1')",
         )
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
+from rollout.files import read_secret
 from rollout.storage.base import MetricRecord
 
 if TYPE_CHECKING:
@@ -298,20 +299,6 @@ def tracking_uri(configured: str | None, base_dir: Path, run_dir: Path) -> str:
 
 
 # --- shared
-
-
-def read_secret(reference: str) -> str:
-    """The secret an `env:NAME` or `file:/path` reference names. Errors name the reference's place,
-    never its content."""
-    if reference.startswith("env:"):
-        name = reference.removeprefix("env:")
-        value, where = os.environ.get(name, ""), f"environment variable {name}"
-    else:
-        path = Path(reference.removeprefix("file:")).expanduser()
-        value, where = path.read_text(encoding="utf-8"), str(path)
-    if not value.strip():
-        raise ValueError(f"the secret in {where} is not set or empty")
-    return value.strip()
 
 
 def _by_step(rows: Sequence[MetricRecord]) -> Iterator[tuple[int, dict[str, float]]]:

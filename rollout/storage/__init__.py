@@ -1,8 +1,10 @@
 """The run store: runs, metrics, logs and checkpoints, written by workers and read by the CLI.
 
 A store is named by a location string: ``sqlite:/abs/path/rollout.db`` (the embedded default) or
-``postgres:...`` (for workers on several machines; not in this version). Backends are imported
-only when a location names them.
+``postgres:env:NAME`` / ``postgres:file:/path`` (for runs whose processes live on several
+machines): a Postgres store is named by a reference to its DSN, never the DSN, so no location
+(in a plan, a command line, a message) holds a password. Backends are imported only when a
+location names them.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sqlite3
 from pathlib import Path
 
 from rollout.errors import Issue, RolloutError
+from rollout.files import SECRET_REF, read_secret
 from rollout.storage.base import RunRecord, RunStore
 
 STORE_ENV = "ROLLOUT_STORE"
@@ -29,19 +32,52 @@ def open_store(location: str, *, create: bool = True) -> RunStore:
     if scheme == "sqlite" and rest:
         return _open_sqlite(Path(rest).expanduser().resolve(), create=create)
     if scheme in ("postgres", "postgresql"):
-        # The location is not echoed: it may hold a DSN with a password.
-        raise RolloutError(
-            Issue(
-                "run store",
-                "the postgres run store is not available in this version",
-                hint="use storage.backend = 'sqlite' (--store sqlite:/path/to/rollout.db)",
-            )
-        )
+        return _open_postgres(location, rest, create=create)
     if rest and scheme != "sqlite":
         message = f"unknown run store scheme {scheme!r}"  # only the scheme: the rest may be secret
     else:
         message = f"{location!r} is not a run store location"
-    raise RolloutError(Issue("run store", message, hint="use sqlite:/path/to/rollout.db"))
+    raise RolloutError(
+        Issue("run store", message, hint="use sqlite:/path/to/rollout.db or postgres:env:NAME")
+    )
+
+
+def _open_postgres(location: str, reference: str, *, create: bool) -> RunStore:
+    if not location.startswith("postgres:") or not SECRET_REF.match(reference):
+        # Not echoed: it may be the DSN itself, password and all.
+        raise RolloutError(
+            Issue(
+                "run store",
+                "a postgres run store is named postgres:env:NAME or postgres:file:/path: a "
+                "reference to its DSN, never the DSN itself",
+                hint="export ROLLOUT_PG_DSN='host=... dbname=... user=...' and pass "
+                "postgres:env:ROLLOUT_PG_DSN (or postgres:file:/path/to/dsn)",
+            )
+        )
+    try:
+        from rollout.storage.postgres import PostgresRunStore
+    except ImportError:
+        raise RolloutError(
+            Issue(
+                location,
+                "the postgres run store needs psycopg 3, which is not installed here",
+                hint="pip install 'rollout[postgres]' (or: pip install 'psycopg[binary]>=3.1')",
+            )
+        ) from None
+    try:
+        dsn = read_secret(reference)
+    except (ValueError, OSError) as error:
+        raise RolloutError(
+            Issue(
+                location,
+                f"cannot read the DSN: {error}",
+                hint=f"set it, e.g. export {reference.removeprefix('env:')}="
+                "'host=127.0.0.1 dbname=rollout user=rollout'"
+                if reference.startswith("env:")
+                else "write the DSN into that file",
+            )
+        ) from None
+    return PostgresRunStore(dsn, location=location, create=create)
 
 
 def _open_sqlite(path: Path, *, create: bool) -> RunStore:

@@ -1,4 +1,4 @@
-"""The run store's interface: one schema, two backends (SQLite embedded; Postgres later).
+"""The run store's interface: one schema, two backends (SQLite embedded; Postgres shared).
 
 Workers write through a background writer (never on the hot path); the CLI reads. Every value is
 a bound parameter. Records are plain frozen dataclasses so readers need no ORM.
@@ -127,7 +127,9 @@ class RunStore(Protocol):
 
     # --- rows written during a run (batched by the background writer)
     def transaction(self) -> AbstractContextManager[None]:
-        """Group writes into one transaction (the writer's flush); nested calls join it."""
+        """Group writes into one transaction (the writer's flush); nested calls join it. Writes
+        inside it return nothing a caller should rely on (Postgres may run them again on a new
+        connection after the transaction's body has ended)."""
 
     def add_metrics(self, rows: Iterable[MetricRecord]) -> None:
         """A NaN value is kept (read back as NaN). Also updates the run's last_step."""

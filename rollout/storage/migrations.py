@@ -1,16 +1,27 @@
-"""The run store's schema, as numbered migrations (SQLite dialect).
+"""The run store's schema, as numbered migrations: each number once, in both dialects.
 
 A store records the numbers it has applied in `schema_version`; opening it applies the missing
 ones, in order, in one transaction. Never edit a migration that has shipped: append a new one.
-A Postgres backend keeps its own list with the same numbers and the same tables.
+SQLite and Postgres get the same tables, columns and indexes at every number; only the dialect
+differs (REAL / DOUBLE PRECISION, AUTOINCREMENT / IDENTITY, SQLite rebuilding a table where
+Postgres alters it).
 """
 
 from __future__ import annotations
 
-Migration = tuple[int, str]
+from typing import NamedTuple
+
+from rollout.errors import Issue, RolloutError
+
+
+class Migration(NamedTuple):
+    number: int
+    sqlite: str
+    postgres: str
+
 
 MIGRATIONS: list[Migration] = [
-    (
+    Migration(
         1,
         """
         CREATE TABLE runs (
@@ -61,8 +72,57 @@ MIGRATIONS: list[Migration] = [
             PRIMARY KEY (run_id, step)
         );
         """,
+        """
+        CREATE TABLE runs (
+            run_id TEXT PRIMARY KEY,
+            name TEXT NOT NULL,
+            status TEXT NOT NULL CONSTRAINT runs_status_check
+                CHECK (status IN ('planned', 'running', 'stopped', 'failed', 'finished')),
+            plan_sha256 TEXT NOT NULL,
+            plan_path TEXT NOT NULL,
+            run_dir TEXT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL,
+            started_at DOUBLE PRECISION,
+            ended_at DOUBLE PRECISION,
+            error TEXT,
+            cancel_requested INTEGER NOT NULL DEFAULT 0,
+            last_step BIGINT
+        );
+        CREATE INDEX runs_by_created ON runs (created_at);
+
+        -- A NaN value is stored as NaN (Postgres keeps it; SQLite turns it into NULL).
+        CREATE TABLE metrics (
+            run_id TEXT NOT NULL REFERENCES runs (run_id) ON DELETE CASCADE,
+            step BIGINT NOT NULL,
+            name TEXT NOT NULL,
+            value DOUBLE PRECISION,
+            time DOUBLE PRECISION NOT NULL
+        );
+        CREATE INDEX metrics_by_run_name_step ON metrics (run_id, name, step);
+
+        -- Ids never go back; writers of one run take turns (an advisory lock) so that a run's
+        -- ids are also in commit order, and `logs tail --follow` can page by id.
+        CREATE TABLE logs (
+            id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+            run_id TEXT NOT NULL REFERENCES runs (run_id) ON DELETE CASCADE,
+            time DOUBLE PRECISION NOT NULL,
+            level TEXT NOT NULL CHECK (level IN ('debug', 'info', 'warning', 'error')),
+            rank INTEGER NOT NULL,
+            role TEXT NOT NULL,
+            message TEXT NOT NULL
+        );
+        CREATE INDEX logs_by_run_id ON logs (run_id, id);
+
+        CREATE TABLE checkpoints (
+            run_id TEXT NOT NULL REFERENCES runs (run_id) ON DELETE CASCADE,
+            step BIGINT NOT NULL,
+            location TEXT NOT NULL,
+            time DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (run_id, step)
+        );
+        """,
     ),
-    (
+    Migration(
         2,
         # Runs get an owner and a lease (one host owns a running run and renews its lease; a run
         # whose lease ran out is 'lost'), so the status CHECK grows a value. SQLite cannot alter a
@@ -103,5 +163,49 @@ MIGRATIONS: list[Migration] = [
         DROP INDEX metrics_by_run_name_step;
         CREATE UNIQUE INDEX metrics_by_run_name_step ON metrics (run_id, name, step);
         """,
+        """
+        ALTER TABLE runs ADD COLUMN owner TEXT, ADD COLUMN lease_expires_at DOUBLE PRECISION;
+        ALTER TABLE runs DROP CONSTRAINT runs_status_check;
+        ALTER TABLE runs ADD CONSTRAINT runs_status_check
+            CHECK (status IN ('planned', 'running', 'stopped', 'failed', 'finished', 'lost'));
+        CREATE INDEX runs_by_status ON runs (status);
+
+        DELETE FROM metrics AS older USING metrics AS newer
+            WHERE older.run_id = newer.run_id AND older.name = newer.name
+              AND older.step = newer.step AND (older.time, older.ctid) < (newer.time, newer.ctid);
+        DROP INDEX metrics_by_run_name_step;
+        CREATE UNIQUE INDEX metrics_by_run_name_step ON metrics (run_id, name, step);
+        """,
+    ),
+    Migration(
+        3,
+        # A log line may carry a key chosen by its writer. A Postgres writer whose connection
+        # dropped during a commit cannot know whether the commit happened, so it writes the
+        # batch again: a line whose key is already there is not added twice. (SQLite writers
+        # never retry, and leave it NULL; NULLs never collide.)
+        """
+        ALTER TABLE logs ADD COLUMN write_key TEXT;
+        CREATE UNIQUE INDEX logs_by_write_key ON logs (write_key);
+        """,
+        """
+        ALTER TABLE logs ADD COLUMN write_key TEXT;
+        CREATE UNIQUE INDEX logs_by_write_key ON logs (write_key);
+        """,
     ),
 ]
+
+LATEST = MIGRATIONS[-1].number
+
+
+def pending(current: int) -> list[Migration]:
+    """What a store at schema version `current` lacks, in order; a RolloutError for a store that
+    a newer rollout migrated (this one would misread it)."""
+    if current > LATEST:
+        raise RolloutError(
+            Issue(
+                "run store",
+                f"schema version {current} is newer than this rollout knows ({LATEST})",
+                hint="upgrade rollout to read this store",
+            )
+        )
+    return [migration for migration in MIGRATIONS if migration.number > current]

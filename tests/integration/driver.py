@@ -27,6 +27,18 @@ def rollout(workdir: Path, *args: str, timeout: float = 300) -> subprocess.Compl
     )
 
 
+def start(workdir: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`rollout ARGS` started in the background, its output captured."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "rollout", *args],
+        cwd=workdir,
+        env={**environment(workdir), **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def only_run(workdir: Path):
     store = open_store(f"sqlite:{workdir / 'runs' / 'rollout.db'}", create=False)
     (record,) = store.list_runs()

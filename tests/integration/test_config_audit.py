@@ -8,7 +8,7 @@ the evidence that the field is read:
 
 - Refused: `rollout plan` refuses the changed config with an issue naming the field: where a
   field means nothing (gpu_memory_utilization without vLLM, a system prompt without the chat
-  template, ...) or what it asks for cannot run here (several nodes, postgres);
+  template, ...) or what it asks for cannot run here (several nodes);
 - PlanShows: the plans of the base and the changed config differ beyond the echoed config:
   derived values, graph, memory, model or data facts, seeds (or one of them is refused);
 - RunShows: runs of both differ: the weights of the last checkpoint, recorded metrics, log lines,
@@ -876,8 +876,14 @@ SECTION_CASES: dict[str, list[Case]] = {
     "cluster.threads_per_process": [
         plan_shows("grpo", {"cluster.threads_per_process": 2}, derived("threads_per_process"))
     ],
+    # Where AUDIT_DSN names a server, the plan records into it; elsewhere the plan is refused
+    # (the DSN cannot be read): either way not the base's SQLite file.
     "storage.backend": [
-        refused("grpo", {"storage.backend": "postgres", "storage.postgres_dsn": "env:AUDIT_DSN"})
+        plan_shows(
+            "grpo",
+            {"storage.backend": "postgres", "storage.postgres_dsn": "env:AUDIT_DSN"},
+            derived("store"),
+        )
     ],
     "storage.sqlite_path": [
         plan_shows("grpo", {"storage.sqlite_path": f"{WORKDIR}/other.db"}, derived("store"))

@@ -7,7 +7,6 @@ each (most of it starting Python and torch twice), so they are marked slow; CI r
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from rollout.storage import open_store
-from tests.integration.driver import environment, only_run, processes_mentioning, rollout
+from tests.integration.driver import only_run, processes_mentioning, rollout, start
 
 pytestmark = pytest.mark.slow
 
@@ -114,24 +113,12 @@ def test_a_failing_reward_fails_the_run_with_its_name_and_sample(workdir):
 
 def test_a_cancelled_run_is_marked_stopped_and_keeps_its_work(workdir):
     """Ctrl-C and the other signals: tests/integration/test_run_ownership.py."""
-    host = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rollout",
-            "run",
-            "--config",
-            "examples/grpo-tiny.toml",
-            "--set",
-            "algorithm.max_steps=500",
-            "--set",
-            "data.eval=null",
-        ],
-        cwd=workdir,
-        env=environment(workdir),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    host = start(
+        workdir,
+        "run",
+        "--config",
+        "examples/grpo-tiny.toml",
+        *("--set", "algorithm.max_steps=500", "--set", "data.eval=null"),
     )
     run_id = _wait_for_step(workdir, step=2, process=host)
     cancelled = rollout(workdir, "runs", "cancel", run_id)

@@ -1,4 +1,5 @@
-"""`rollout runs` and `rollout logs` as a user meets them: tables, filters, follow, clear errors."""
+"""`rollout runs` and `rollout logs` as a user meets them: tables, filters, follow, clear errors;
+the same on a SQLite and a Postgres run store."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typer.testing import CliRunner
 
 from rollout.cli import logs as logs_cli
 from rollout.cli.app import app
+from rollout.errors import RolloutError
 from rollout.executor.ownership import Owner
 from rollout.storage import open_store
 from rollout.storage.base import CheckpointRecord, MetricRecord
@@ -23,9 +25,9 @@ TRACEBACK = 'rank-0: Traceback (most recent call last):\n  File "x.py"\nValueErr
 
 
 @pytest.fixture
-def location(tmp_path):
+def location(store_location):
     """A store with a running run (metrics, logs, a checkpoint) and a failed one."""
-    location = f"sqlite:{tmp_path / 'runs' / 'rollout.db'}"
+    location = store_location
     with open_store(location) as store:
         for run_id in (RUN, FAILED):
             store.create_run(
@@ -243,7 +245,39 @@ def test_the_default_store_is_under_the_current_directory(tmp_path, monkeypatch)
     assert f"{tmp_path.resolve() / 'runs' / 'rollout.db'}: no run store here" in result.output
 
 
-def test_postgres_is_a_clear_error():
-    result = invoke("runs", "list", "--store", "postgres:env:ROLLOUT_PG_DSN")
+@pytest.mark.parametrize(
+    "args",
+    [["runs", "list"], ["runs", "show", RUN], ["logs", "tail", RUN], ["runs", "cancel", RUN]],
+)
+def test_an_empty_postgres_schema_is_no_store_and_stays_empty(postgres_location, args):
+    result = invoke(*args, "--store", postgres_location)
+    assert result.exit_code == 2, result.output
+    assert f"{postgres_location}: no run store here" in result.output
+    assert "has no rollout tables" in result.output and "Traceback" not in result.output
+    with pytest.raises(RolloutError, match="no run store here"):
+        open_store(postgres_location, create=False)  # still empty: nothing was created
+
+
+def test_a_postgres_store_whose_dsn_is_not_set_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("NO_SUCH_DSN", raising=False)
+    result = invoke("runs", "list", "--store", "postgres:env:NO_SUCH_DSN")
     assert result.exit_code == 2
-    assert "the postgres run store is not available in this version" in result.output
+    assert "postgres:env:NO_SUCH_DSN: cannot read the DSN" in " ".join(result.output.split())
+    assert "environment variable NO_SUCH_DSN is not set" in " ".join(result.output.split())
+
+
+def test_a_dsn_on_the_command_line_is_refused_and_not_echoed():
+    result = invoke("runs", "list", "--store", "postgres://bob:hunter2@db.invalid/runs")
+    assert result.exit_code == 2
+    assert "never the DSN itself" in " ".join(result.output.split())
+    assert "hunter2" not in result.output
+
+
+def test_a_postgres_server_that_does_not_answer_is_named_without_its_password(monkeypatch):
+    monkeypatch.setenv("DEAD_DSN", "host=127.0.0.1 port=9 dbname=runs user=bob password=hunter2")
+    result = invoke("runs", "list", "--store", "postgres:env:DEAD_DSN")
+    assert result.exit_code == 2
+    output = " ".join(result.output.split())
+    assert "cannot connect to the postgres run store postgres:env:DEAD_DSN" in output
+    assert "database runs on 127.0.0.1:9 as bob" in output
+    assert "hunter2" not in result.output and "Traceback" not in result.output

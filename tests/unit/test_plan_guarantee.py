@@ -32,9 +32,10 @@ LAPTOP = HardwareFacts(
 # --- what the planner refuses: (config changes, the key it names) --------------------------------
 
 CASES = {
-    "postgres store": (
-        {"storage": {"backend": "postgres", "postgres_dsn": "env:PG"}},
-        "storage.backend",
+    # Never set (tests/conftest.py never sets it): the planner reads the reference.
+    "postgres DSN not set": (
+        {"storage": {"backend": "postgres", "postgres_dsn": "env:ROLLOUT_TEST_UNSET_DSN"}},
+        "storage.postgres_dsn",
     ),
     "several nodes": ({"cluster": {"device": "cpu", "nnodes": 2}}, "cluster.nnodes"),
     "split placement": (
@@ -113,7 +114,6 @@ def test_the_planner_refuses_what_run_cannot_do(case, config_file, base_config):
 
 # Cases the executor's preflight asks again of the plan.lock it is handed.
 PREFLIGHT = [
-    "postgres store",
     "several nodes",
     "split placement",
     "artifacts in one process's memory",
@@ -193,6 +193,7 @@ ON_RUNS_PATH = [
     "rollout/executor/ownership.py",
     "rollout/planner/lockfile.py",
     "rollout/storage/__init__.py",
+    "rollout/storage/postgres.py",
     "rollout/runtime/worker.py",
     "rollout/models/loading.py",
     "rollout/runtime/components.py",
@@ -204,7 +205,17 @@ REFUSALS = {
     "LockfileError(refusals": "plan: every check in rollout/planner/runnable.py (CASES above)",
     "already belongs to another plan": "run time: the store's state, not the config",
     "already_running(": "run time: another process owns the run at this moment",
-    "the postgres run store is not available": "plan: CASES['postgres store']",
+    "is named postgres:env:NAME": "unreachable from a plan: the builder writes postgres: and "
+    "storage.postgres_dsn, a reference the config validated",
+    "needs psycopg 3, which is not installed": "plan: runnable refuses storage.backend "
+    "postgres without psycopg (test_postgres_without_psycopg_is_refused_by_plan_and_run)",
+    "cannot read the DSN": "plan: CASES['postgres DSN not set'] (store_check reads it)",
+    "cannot connect to the postgres run store": "plan: store_check connects (test_store_plan); "
+    "a server gone since planning is run time",
+    "not a libpq connection string": "plan: store_check parses the DSN (test_store_plan)",
+    "cannot create the run store's tables": "plan: store_check creates them, rolled back "
+    "(test_store_plan); permissions changed since planning are run time",
+    "self._gone(": "run time: the server went away mid-run for longer than reconnect_s",
     'Issue("run store", message': "unreachable from a plan: the builder writes sqlite: or "
     "postgres: store locations only (an unknown scheme is a reader's --store mistake)",
     "no run store here": "readers only (runs, logs); run creates its store",
@@ -266,6 +277,32 @@ def test_every_explained_refusal_still_exists():
     sources = "".join((REPO / module).read_text(encoding="utf-8") for module in ON_RUNS_PATH)
     stale = [fragment for fragment in REFUSALS if fragment not in sources]
     assert not stale, f"reasons for refusals that are gone: {stale}"
+
+
+def test_postgres_without_psycopg_is_refused_by_plan_and_run(
+    config_file, base_config, tmp_path, monkeypatch
+):
+    import importlib.util
+
+    postgres = {"storage": {"backend": "postgres", "postgres_dsn": "env:ROLLOUT_TEST_UNSET_DSN"}}
+    plan = build_plan(config_file(base_config), hardware=LAPTOP)
+    raw = merged(plan.config.model_dump(mode="json"), postgres)
+    lock = tmp_path / "postgres.lock"
+    write_plan(plan.model_copy(update={"config": plan.config.model_validate(raw)}), lock)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *rest: None if name == "psycopg" else find_spec(name, *rest),
+    )
+    for refuse in (
+        lambda: build_plan(config_file(merged(base_config, postgres), "pg.toml"), hardware=LAPTOP),
+        lambda: verify_plan(lock),
+    ):
+        with pytest.raises(RolloutError) as caught:
+            refuse()
+        (issue,) = [i for i in caught.value.issues if i.path == "storage.backend"]
+        assert "needs psycopg 3" in issue.message and "rollout[postgres]" in issue.hint
 
 
 def test_a_refusal_in_a_lock_is_a_user_error():

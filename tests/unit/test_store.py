@@ -1,8 +1,12 @@
-"""The SQLite run store: CRUD, status times, filters, ordering, migrations, locations."""
+"""The run store, on SQLite and on Postgres alike: CRUD, status times, filters, ordering,
+ownership, migrations, locations. Tests of one backend's own settings say so in their name.
+(Postgres's dropped connections: test_store_postgres.py.)"""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import sqlite3
 import threading
 import time
@@ -14,12 +18,28 @@ from rollout.storage import check_run_id, default_store_location, find_run, open
 from rollout.storage.base import CheckpointRecord, MetricRecord
 from rollout.storage.migrations import MIGRATIONS
 from rollout.storage.sqlite import SqliteRunStore
+from tests.conftest import STORE_DSN_ENV
+
+INTEGRITY_ERRORS: tuple[type[Exception], ...] = (sqlite3.IntegrityError,)
+with contextlib.suppress(ImportError):
+    import psycopg
+
+    INTEGRITY_ERRORS += (psycopg.IntegrityError,)
 
 
 @pytest.fixture
-def store(tmp_path):
-    with SqliteRunStore(tmp_path / "rollout.db") as the_store:
+def store(store_location):
+    with open_store(store_location) as the_store:
         yield the_store
+
+
+def applied_versions(location):
+    """The migration numbers the store at `location` records as applied."""
+    with open_store(location, create=False) as store:
+        rows = store._read(
+            lambda: store._query("SELECT version FROM schema_version ORDER BY version")
+        )
+    return [row["version"] for row in rows]
 
 
 def make_run(store, run_id="r1", **overrides):
@@ -143,7 +163,7 @@ def test_nan_metric_is_kept(store):
 
 
 def test_rows_for_an_unknown_run_are_refused(store):
-    with pytest.raises(sqlite3.IntegrityError):
+    with pytest.raises(INTEGRITY_ERRORS):
         store.add_logs([log("ghost")])
 
 
@@ -182,7 +202,7 @@ def test_checkpoints_ordered_and_replaced_at_the_same_step(store):
 
 def test_transaction_is_all_or_nothing(store):
     make_run(store)
-    with pytest.raises(sqlite3.IntegrityError), store.transaction():
+    with pytest.raises(INTEGRITY_ERRORS), store.transaction():
         store.add_logs([log("r1")])
         store.add_logs([log("ghost")])
     assert store.logs("r1") == []
@@ -191,30 +211,28 @@ def test_transaction_is_all_or_nothing(store):
 # --- schema and connection
 
 
-def test_migrations_are_numbered_in_order():
-    assert [number for number, _ in MIGRATIONS] == list(range(1, len(MIGRATIONS) + 1))
+def test_migrations_are_numbered_in_order_in_both_dialects():
+    assert [m.number for m in MIGRATIONS] == list(range(1, len(MIGRATIONS) + 1))
+    assert all(m.sqlite.strip() and m.postgres.strip() for m in MIGRATIONS)
 
 
-def test_reopening_is_idempotent(tmp_path):
-    path = tmp_path / "rollout.db"
+def test_reopening_is_idempotent(store_location):
     for _ in range(3):
-        with SqliteRunStore(path) as store:
+        with open_store(store_location) as store:
             make_run(store, f"r{time.monotonic_ns()}")
-    versions = sqlite3.connect(path).execute("SELECT version FROM schema_version").fetchall()
-    assert versions == [(number,) for number, _ in MIGRATIONS]
+    assert applied_versions(store_location) == [m.number for m in MIGRATIONS]
 
 
-def test_concurrent_open_of_a_fresh_file(tmp_path):
+def test_concurrent_open_of_a_fresh_store(store_location):
     """Threads stand in for processes here (each has its own connection); the integration test
     does it with processes."""
-    path = tmp_path / "rollout.db"
     barrier = threading.Barrier(6)
     errors = []
 
     def open_once():
         barrier.wait()
         try:
-            SqliteRunStore(path).close()
+            open_store(store_location).close()
         except Exception as error:
             errors.append(error)
 
@@ -224,26 +242,24 @@ def test_concurrent_open_of_a_fresh_file(tmp_path):
     for thread in threads:
         thread.join()
     assert errors == []
-    assert sqlite3.connect(path).execute("SELECT COUNT(*) FROM schema_version").fetchone() == (
-        len(MIGRATIONS),
-    )
+    assert applied_versions(store_location) == [m.number for m in MIGRATIONS]
 
 
-def test_connection_settings(store):
+def test_sqlite_connection_settings(tmp_path):
+    store = SqliteRunStore(tmp_path / "rollout.db")
     pragma = lambda name: store._conn.execute(f"PRAGMA {name}").fetchone()[0]  # noqa: E731
     assert pragma("journal_mode") == "wal"
     assert pragma("foreign_keys") == 1
     assert pragma("synchronous") == 1  # NORMAL
     assert pragma("busy_timeout") == 30_000
+    store.close()
 
 
-def test_a_newer_schema_is_refused(tmp_path):
-    path = tmp_path / "rollout.db"
-    SqliteRunStore(path).close()
-    with sqlite3.connect(path) as conn:
-        conn.execute("INSERT INTO schema_version VALUES (999, 0)")
+def test_a_newer_schema_is_refused(store_location):
+    with open_store(store_location) as store:
+        store._write(lambda: store._execute("INSERT INTO schema_version VALUES (999, 0)"))
     with pytest.raises(RolloutError, match="newer than this rollout knows"):
-        SqliteRunStore(path)
+        open_store(store_location)
 
 
 # --- locations and lookups
@@ -273,8 +289,10 @@ def test_a_file_that_is_not_a_database(tmp_path):
 @pytest.mark.parametrize(
     ("location", "message"),
     [
-        ("postgres:env:ROLLOUT_PG_DSN", "postgres run store is not available in this version"),
-        ("postgresql://user:secret@host/db", "postgres run store is not available"),
+        ("postgresql://user:secret@host/db", "is named postgres:env:NAME or postgres:file:"),
+        ("postgres://user:secret@host/db", "a reference to its DSN, never the DSN itself"),
+        ("postgres:host=h password=secret", "a reference to its DSN, never the DSN itself"),
+        ("postgresql:env:ROLLOUT_PG_DSN", "is named postgres:env:NAME"),
         ("mysql://user:secret@host/db", "unknown run store scheme 'mysql'"),
         ("runs/rollout.db", "is not a run store location"),
         ("sqlite:", "is not a run store location"),
@@ -369,14 +387,15 @@ def test_mark_lost_needs_the_dead_owner(store):
     assert store.get_run("r1").status == "lost"
 
 
-def test_two_processes_claiming_at_once_give_one_owner(tmp_path):
-    path = tmp_path / "rollout.db"
-    with SqliteRunStore(path) as store:
+def test_two_connections_claiming_at_once_give_one_owner(store_location):
+    with open_store(store_location) as store:
         make_run(store)
     winners = []
+    start = threading.Barrier(8)
 
     def claim(name):
-        with SqliteRunStore(path) as mine:
+        with open_store(store_location) as mine:
+            start.wait()
             if mine.claim_run("r1", name, lease_s=60) is None:
                 winners.append(name)
 
@@ -395,11 +414,11 @@ def test_a_redone_step_keeps_one_row_per_metric(store):
     assert [(m.step, m.value) for m in store.metrics("r1")] == [(3, 0.5)]
 
 
-def test_migrating_a_version_1_store_keeps_its_rows(tmp_path):
+def test_migrating_a_version_1_sqlite_store_keeps_its_rows(tmp_path):
     path = tmp_path / "old.db"
     conn = sqlite3.connect(path)
     conn.execute("CREATE TABLE schema_version (version INTEGER PRIMARY KEY, applied_at REAL)")
-    for statement in MIGRATIONS[0][1].split(";"):
+    for statement in MIGRATIONS[0].sqlite.split(";"):
         if statement.strip():
             conn.execute(statement)
     conn.execute("INSERT INTO schema_version VALUES (1, 0)")
@@ -422,3 +441,29 @@ def test_migrating_a_version_1_store_keeps_its_rows(tmp_path):
         assert [line.message for line in store.logs("old")] == ["hello"]
         assert store._conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
         assert store._conn.execute("PRAGMA foreign_key_check").fetchall() == []
+
+
+def test_migrating_a_version_1_postgres_store_keeps_its_rows(postgres_location):
+    dsn = os.environ[STORE_DSN_ENV]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "CREATE TABLE schema_version (version INTEGER PRIMARY KEY, applied_at DOUBLE PRECISION)"
+        )
+        conn.execute(MIGRATIONS[0].postgres)
+        conn.execute("INSERT INTO schema_version VALUES (1, 0)")
+        conn.execute(
+            "INSERT INTO runs (run_id, name, status, plan_sha256, plan_path, run_dir, created_at) "
+            "VALUES ('old', 't', 'finished', 'x', 'p', 'd', 1)"
+        )
+        rows = [
+            ("old", 1, "loss", 2.0, 1.0),
+            ("old", 1, "loss", 1.0, 2.0),
+            ("old", 2, "loss", 0.5, 3),
+        ]
+        conn.cursor().executemany("INSERT INTO metrics VALUES (%s, %s, %s, %s, %s)", rows)
+    with open_store(postgres_location) as store:
+        assert store.get_run("old").status == "finished"
+        assert [(m.step, m.value) for m in store.metrics("old")] == [(1, 1.0), (2, 0.5)]
+        store.claim_run("old", "A", lease_s=60)  # the lease columns and 'lost' came with v2
+        assert store.expire_leases(now=time.time() + 120) == ["old"]
+    assert applied_versions(postgres_location) == [m.number for m in MIGRATIONS]
