@@ -82,9 +82,12 @@ class StaticDecodeBatch:
         self._queue.extend(rows)
 
     def reset(self) -> None:
-        """Forget every row (after a failed step); the decoder's slots are simply reused."""
+        """Forget every row (after a failed step); the decoder's slots are simply reused, its
+        ring read from the start again."""
         self._queue.clear()
         self._slots = [None] * self._max_width
+        if self._decoder is not None:
+            self._decoder.ring_at.zero_()
 
     def step(self) -> list[GenerationRow]:
         """One host round (module docstring); returns the rows that finished in it."""
