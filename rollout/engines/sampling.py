@@ -244,20 +244,15 @@ def counter_uniform(stream: torch.Tensor, counter: torch.Tensor) -> torch.Tensor
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """Chris Wellons' lowbias32 integer hash of x (int64 holding 32-bit values): a bijection of
-    [0, 2^32) whose every output bit depends on every input bit."""
+    """A 32-bit integer hash of x (int64 holding 32-bit values), a bijection of [0, 2^32)
+    whose every output bit depends on every input bit: Wellons' lowbias32 shape with
+    TheIronBorn's constants, both below 2^31, so that no product of a 32-bit x reaches 2^63
+    (int64 never overflows) and each multiply is one kernel."""
     x = x ^ (x >> 16)
-    x = _times32(x, 0x7FEB352D)
+    x = (x * 0x21F0AAAD) & _MASK32
     x = x ^ (x >> 15)
-    x = _times32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def _times32(x: torch.Tensor, factor: int) -> torch.Tensor:
-    """x * factor mod 2^32 for 32-bit x in int64, in two 16-bit halves: no product reaches
-    2^63, where int64 would overflow."""
-    low, high = x & 0xFFFF, x >> 16
-    return (low * factor + (((high * factor) & 0xFFFF) << 16)) & _MASK32
+    x = (x * 0x735A2D97) & _MASK32
+    return x ^ (x >> 15)
 
 
 def stream_key(seed: int, sample: int) -> int:
@@ -272,8 +267,9 @@ def stream_key(seed: int, sample: int) -> int:
 
 
 def _mix32_int(x: int) -> int:
+    """_mix32 on a Python int."""
     x ^= x >> 16
-    x = (x * 0x7FEB352D) & _MASK32
+    x = (x * 0x21F0AAAD) & _MASK32
     x ^= x >> 15
-    x = (x * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
+    x = (x * 0x735A2D97) & _MASK32
+    return x ^ (x >> 15)
