@@ -8,7 +8,10 @@ exactly 64 new tokens per completion on every side:
 
   rollout       HfEngine(model, eos_token_ids=[vocab_size]).generate(prompts, SamplingParams(...)):
                 the end-of-sequence id is one the model cannot produce, so no completion stops
-                early and sampling is untouched.
+                early and sampling is untouched. On cuda it decodes with its static step in CUDA
+                graphs (--rollout-path chooses: auto, static, dynamic); its first call per batch
+                size, which captures the graphs, is reported apart as the warm-up, with the
+                graphs captured then and during the timed calls (which must be none).
   transformers  model.generate(..., do_sample=True, temperature=1, top_p=1, top_k=0,
                 max_new_tokens=64, eos_token_id=None): no end-of-sequence id, so no completion
                 stops early and no logits processor changes the distribution (min_new_tokens
@@ -29,6 +32,7 @@ script re-executes itself with OMP_NUM_THREADS=2 when it is not set to that.
     python benchmarks/generate_vs_hf.py --batch 32 --repeat 5
     python benchmarks/generate_vs_hf.py --no-prefix-sharing  # every prompt prefilled whole
     python benchmarks/generate_vs_hf.py --device cuda --model llama-700m
+    python benchmarks/generate_vs_hf.py --rollout-path static   # the GPU's path, eager, on CPU
 """
 
 from __future__ import annotations
@@ -115,6 +119,14 @@ def chat_prompts(loaded: Any, count: int) -> list[list[int]]:
 
 
 _ENGINES: dict[int, Any] = {}
+ROLLOUT_PATHS = {"auto": None, "static": True, "dynamic": False}
+"""--rollout-path -> HfEngine's `static`: auto takes the static step on cuda only."""
+_PATH = {"static": None}
+
+
+def rollout_engine(loaded: Any) -> Any:
+    """The one engine every call of this process uses (see time_rollout)."""
+    return _ENGINES[id(loaded)]
 
 
 def time_rollout(loaded: Any, prompts: list[list[int]], seed: int) -> float:
@@ -133,6 +145,7 @@ def time_rollout(loaded: Any, prompts: list[list[int]], seed: int) -> float:
             tokenizer=loaded.tokenizer,
             device=loaded.model.device,
             keep_packed=True,
+            static=_PATH["static"],
         )
     params = SamplingParams(
         max_new_tokens=NEW_TOKENS, temperature=1.0, top_p=1.0, top_k=0, seed=seed
@@ -207,11 +220,14 @@ def measure(loaded: Any, batch: int, repeat: int, sides: tuple[str, ...]) -> dic
     """One untimed call per side (the compiled side compiles in it), then `repeat` timed calls
     alternating between the sides."""
     prompts = chat_prompts(loaded, batch)
+    before = graph_captures(loaded)
     warmup_s = {side: call(side, loaded, prompts, seed=0) for side in sides}
+    warm = graph_captures(loaded)
     seconds: dict[str, list[float]] = {side: [] for side in sides}
     for rep in range(1, repeat + 1):
         for side in sides:
             seconds[side].append(call(side, loaded, prompts, seed=rep))
+    after = graph_captures(loaded)
     tokens = batch * NEW_TOKENS
     result: dict[str, Any] = {
         "batch": batch,
@@ -225,6 +241,12 @@ def measure(loaded: Any, batch: int, repeat: int, sides: tuple[str, ...]) -> dic
             "tok_per_s_median": tokens / statistics.median(values),
             "tok_per_s_best": tokens / min(values),
         }
+    result["rollout"]["graphs"] = {
+        "captured_in_warmup": warm[0] - before[0],
+        "capture_s_in_warmup": warm[1] - before[1],
+        "captured_in_timed_calls": after[0] - warm[0],
+        "static_path": rollout_engine(loaded)._static is not None,
+    }
     result["ratio_median"] = (
         result["rollout"]["tok_per_s_median"] / result["transformers"]["tok_per_s_median"]
     )
@@ -241,6 +263,15 @@ def measure(loaded: Any, batch: int, repeat: int, sides: tuple[str, ...]) -> dic
     return result
 
 
+def graph_captures(loaded: Any) -> tuple[int, float]:
+    """(CUDA graphs captured, seconds spent capturing) by the rollout engine so far."""
+    engine = _ENGINES.get(id(loaded))
+    if engine is None:
+        return 0, 0.0
+    extra = engine.stats.extra
+    return int(extra.get("graph_captures", 0)), float(extra.get("graph_capture_s", 0.0))
+
+
 def render(results: list[dict[str, Any]], info: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -251,16 +282,20 @@ def render(results: list[dict[str, Any]], info: dict[str, Any]) -> None:
         "tok/s, median (best) of the timed calls"
     )
     compiled = "compiled" in results[0]
-    columns = ["batch", "rollout HfEngine", "transformers generate", "ratio"]
+    columns = ["batch", "rollout HfEngine", "rollout warm-up (s): graphs", "transformers generate"]
+    columns += ["ratio"]
     if compiled:
         columns += ["compiled generate", "ratio", "compile call (s)"]
     for column in columns:
         table.add_column(column, justify="right")
     for r in results:
         rollout, hf = r["rollout"], r["transformers"]
+        graphs = rollout["graphs"]
         cells = [
             str(r["batch"]),
             f"{rollout['tok_per_s_median']:.1f} ({rollout['tok_per_s_best']:.1f})",
+            f"{rollout['warmup_s']:.2f}: {graphs['captured_in_warmup']} in "
+            f"{graphs['capture_s_in_warmup']:.2f} s, {graphs['captured_in_timed_calls']} after",
             f"{hf['tok_per_s_median']:.1f} ({hf['tok_per_s_best']:.1f})",
             f"{r['ratio_median']:.2f}x ({r['ratio_best']:.2f}x)",
         ]
@@ -298,6 +333,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the third column, generate with a static cache and a compiled decode step "
         "(default: on for cuda, off for cpu)",
     )
+    parser.add_argument(
+        "--rollout-path",
+        choices=sorted(ROLLOUT_PATHS),
+        default="auto",
+        help="the engine's decode path: auto (static step in CUDA graphs on cuda, DecodeBatch "
+        "on cpu), static (the static step: eager on cpu), dynamic (DecodeBatch everywhere)",
+    )
     add_model_options(parser)
     args = parser.parse_args(argv)
     if args.repeat < 1 or min(args.batch or [1]) < 1:
@@ -324,6 +366,7 @@ def main(argv: list[str] | None = None) -> None:
         from rollout.engines.hf import decode_batch
 
         decode_batch.SHARED_PREFIX_MIN_TOKENS = sys.maxsize
+    _PATH["static"] = ROLLOUT_PATHS[args.rollout_path]
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     model = resolve_model(args.model, device)
@@ -350,7 +393,11 @@ def main(argv: list[str] | None = None) -> None:
         "model": info,
         "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "new_tokens": NEW_TOKENS},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "engine": {"packing": packing_kernel(), "prefix_sharing": not args.no_prefix_sharing},
+        "engine": {
+            "packing": packing_kernel(),
+            "prefix_sharing": not args.no_prefix_sharing,
+            "path": args.rollout_path,
+        },
         "machine": {
             "cpu": cpu_model(),
             "device_name": info["device_name"],

@@ -245,6 +245,14 @@ class GenerationSection(TypedDict):
     """Most sequences the engine decodes at once (KV cache size). None: the whole rollout batch.
 
     Range: ≥ 1. Default: None."""
+    cuda_graphs: NotRequired[Literal["auto"] | bool]
+    """Capture the decode step in CUDA graphs, one per batch-width bucket. 'auto': on a CUDA GPU
+    the hf engine decodes Llama-family models (llama, mistral, qwen2) with its static step in
+    CUDA graphs, and other models with their own forward; vllm keeps its own graphs. true:
+    require them (refused on CPU, and for other models with the hf engine). false: hf runs its
+    static step without graphs; vllm runs eagerly.
+
+    Default: 'auto'."""
     gpu_memory_utilization: NotRequired[float]
     """vLLM only (refused with the hf engine): share of GPU memory vLLM may take for weights and
     KV cache.

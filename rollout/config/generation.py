@@ -42,6 +42,14 @@ class GenerationSection(ConfigModel):
         description="Most sequences the engine decodes at once (KV cache size). None: the whole "
         "rollout batch.",
     )
+    cuda_graphs: Literal["auto"] | bool = Field(
+        default="auto",
+        description="Capture the decode step in CUDA graphs, one per batch-width bucket. 'auto': "
+        "on a CUDA GPU the hf engine decodes Llama-family models (llama, mistral, qwen2) with "
+        "its static step in CUDA graphs, and other models with their own forward; vllm keeps its "
+        "own graphs. true: require them (refused on CPU, and for other models with the hf "
+        "engine). false: hf runs its static step without graphs; vllm runs eagerly.",
+    )
     gpu_memory_utilization: float = Field(
         default=0.5,
         gt=0,

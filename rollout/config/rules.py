@@ -435,6 +435,18 @@ def engine_fits_device(config: RunConfig) -> Iterator[Issue]:
         )
 
 
+@rule("generation", "cluster")
+def cuda_graphs_need_cuda(config: RunConfig) -> Iterator[Issue]:
+    if config.generation.cuda_graphs is True and config.cluster.device == "cpu":
+        yield Issue(
+            "generation.cuda_graphs",
+            "CUDA graphs need a CUDA GPU, but cluster.device is 'cpu'",
+            value=True,
+            hint='remove generation.cuda_graphs (it is "auto": on where there is a GPU), or '
+            'set cluster.device = "cuda"',
+        )
+
+
 @rule("generation")
 def vllm_settings_need_vllm(config: RunConfig) -> Iterator[Issue]:
     gen = config.generation

@@ -33,6 +33,8 @@ def build_engine(
     dtype: str = "auto",
     gpu_memory_utilization: float = 0.5,
     max_model_len: int | None = None,
+    cuda_graphs: bool | None = None,
+    max_context: int | None = None,
 ) -> Engine:
     """The engine `kind` ("hf" or "vllm") over a loaded model and its tokenizer.
 
@@ -42,6 +44,10 @@ def build_engine(
     the model directory's), in `dtype`, and ignores `model`; `max_batch_size` is its
     max_num_seqs. `seed` seeds the engine's own stream, used where a call brings no seed of its
     own (None: a random stream).
+
+    `cuda_graphs` (None: auto): hf captures its static decode step in CUDA graphs (see HfEngine);
+    vllm runs eagerly when it is False. `max_context` sizes hf's static cache up front (prompt
+    plus completion tokens, when known: a run's), so that it never grows and recaptures.
     """
     if kind == "hf":
         from rollout.engines.hf.engine import HfEngine
@@ -55,6 +61,8 @@ def build_engine(
             device=device,
             seed=seed,
             keep_packed=keep_packed,
+            cuda_graphs=cuda_graphs,
+            max_context=max_context,
         )
     if kind == "vllm":
         if model_dir is None:
@@ -70,5 +78,6 @@ def build_engine(
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len,
             max_num_seqs=max_batch_size,
+            enforce_eager=cuda_graphs is False,
         )
     raise ValueError(f"unknown engine {kind!r}: one of {', '.join(ENGINES)}")

@@ -170,3 +170,106 @@ def truncate_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
+
+
+# --- sampling inside a captured decode step: no host sync, random numbers from a counter -------
+
+
+def sample_rows_on_device(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    uniform: torch.Tensor,
+    *,
+    truncating: bool,
+    top: int = 0,
+) -> Sampled:
+    """sample_rows without a host sync, so that a CUDA graph can capture it: the same
+    arguments, the same distribution and the same log-probs. Whether any row truncates is
+    `truncating`, known to the caller (it knows every row's parameters), where sample_rows asks
+    the device. Truncated rows are sampled in sorted order: one sort serves top-k and top-p,
+    and the draw is located in the sorted weights, so the same uniform can give another token
+    than sample_rows gives (the distribution is the same)."""
+    greedy = temperature <= 0
+    scale = torch.where(greedy, torch.ones_like(temperature), temperature).to(logits.dtype)
+    scaled = logits / scale[:, None]
+    peak = scaled.amax(-1, keepdim=True)
+    weights = (scaled - peak).exp_()
+    log_normalizer = weights.sum(-1, keepdim=True).log_() + peak
+    draw = uniform.to(weights.dtype)[:, None]
+    if truncating:
+        ordered, order = scaled.sort(dim=-1, descending=True)
+        kept = _kept_when_sorted(
+            ordered, top_k.masked_fill(greedy, 0), top_p.masked_fill(greedy, 1)
+        )
+        index = sample_proportional((ordered - peak).exp_() * kept, None, uniform=draw)
+        sampled = order.gather(-1, index[:, None]).squeeze(-1)
+    else:
+        sampled = sample_proportional(weights, None, uniform=draw)
+    token_ids = torch.where(greedy, scaled.argmax(-1), sampled)
+    logprobs = (scaled.gather(-1, token_ids[:, None]) - log_normalizer).squeeze(-1)
+    return Sampled(token_ids, logprobs, top_logprobs(scaled, log_normalizer, top))
+
+
+def _kept_when_sorted(
+    ordered: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Which of the sorted (descending) logits [B, V] truncate_rows keeps, as a float mask
+    [B, V] (1 kept, 0 dropped), with top_k [B] (0: off) and top_p [B] (1: off), no host sync."""
+    vocabulary = ordered.shape[-1]
+    k = torch.where((top_k > 0) & (top_k < vocabulary), top_k, torch.full_like(top_k, vocabulary))
+    kth = ordered.gather(-1, (k - 1)[:, None])
+    by_k = ordered >= kth  # ties with the k-th are kept, as truncate_rows keeps them
+    probs = ordered.masked_fill(~by_k, float("-inf")).softmax(-1)
+    before = probs.cumsum(-1) - probs  # probability of the tokens ranked above each one
+    by_p = (before < top_p.to(probs.dtype)[:, None]) | (top_p >= 1.0)[:, None]
+    by_p[:, 0] = True  # the most likely token is always kept
+    return (by_k & by_p).to(ordered.dtype)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def counter_uniform(stream: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """A uniform draw in [0, 1) (float32, 24 random bits) for each row: a hash of the row's
+    random stream (int64 [B], >= 0) and the row's counter (int64 [B], >= 0: which of its draws).
+
+    Why a hash and not a torch.Generator: a draw that depends only on (stream, counter) is made
+    on the device inside a captured step, and a row then draws the same numbers whatever else is
+    in the batch, whichever slot it has and however often the host looks."""
+    low, high = stream & _MASK32, (stream >> 32) & _MASK32
+    mixed = _mix32(_mix32((counter & _MASK32) ^ low) ^ high)
+    return (mixed >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash of x (int64 holding 32-bit values), a bijection of [0, 2^32)
+    whose every output bit depends on every input bit: Wellons' lowbias32 shape with
+    TheIronBorn's constants, both below 2^31, so that no product of a 32-bit x reaches 2^63
+    (int64 never overflows) and each multiply is one kernel."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _MASK32
+    return x ^ (x >> 15)
+
+
+def stream_key(seed: int, sample: int) -> int:
+    """The random stream (a non-negative int64) of sample `sample` of a request seeded `seed`,
+    hashed with counter_uniform's mixer: distinct for the samples of one seed, and 63 bits
+    across seeds."""
+    a = _mix32_int((seed & _MASK32) ^ 0x243F6A88)
+    b = _mix32_int(((seed >> 32) & _MASK32) ^ 0x85A308D3 ^ a)
+    low = _mix32_int(a ^ (sample & _MASK32))
+    high = _mix32_int(b ^ _mix32_int((sample & _MASK32) ^ 0x13198A2E))
+    return ((high & 0x7FFFFFFF) << 32) | low
+
+
+def _mix32_int(x: int) -> int:
+    """_mix32 on a Python int."""
+    x ^= x >> 16
+    x = (x * 0x21F0AAAD) & _MASK32
+    x ^= x >> 15
+    x = (x * 0x735A2D97) & _MASK32
+    return x ^ (x >> 15)

@@ -38,6 +38,7 @@ from rollout.files import is_url
 from rollout.inference.model_choice import ModelChoice, choose_model
 from rollout.inference.output import OutputFile, finished_output, open_output
 from rollout.inference.prompts import PromptFile, file_format, prompt_kind, read_prompts
+from rollout.planner.builder import cuda_graph_issues
 from rollout.seeds import derive_seed
 
 DEFAULT_BATCH_SIZE = {"hf": 32, "vllm": 256}
@@ -262,6 +263,11 @@ def prepare(options: GenerateOptions) -> _Job:
     field_name = options.field or choice.prompt_field or "prompt"
     prompts = read_prompts(options.prompts, field_name, limit=options.limit)
     device = _device(options.device, generation.engine)
+    graph_issues = cuda_graph_issues(
+        generation, device, choice.facts.model_type, where=f"--device {options.device}"
+    )
+    if graph_issues:
+        raise RolloutError(graph_issues)
     system_prompt = options.system_prompt
     return _Job(
         options=options,
@@ -609,6 +615,7 @@ def _engine(job: _Job, loaded: Any) -> Any:
         tokenizer_dir=tokenizer_dir,
         dtype=job.dtype,
         gpu_memory_utilization=generation.gpu_memory_utilization,
+        cuda_graphs=None if generation.cuda_graphs == "auto" else generation.cuda_graphs,
         max_model_len=choice.facts.context_length,
     )
 

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from rollout.config import load_config
 from rollout.config.algorithm import ONLINE_KINDS, PAIRED_PREFERENCE_KINDS
+from rollout.config.generation import GenerationSection
 from rollout.config.rewards import RewardSpec
 from rollout.config.root import RunConfig
 from rollout.config.rules import kl_in_reward, needed_fields
@@ -103,6 +104,15 @@ def build_plan(
         issues.extend(_context_issues(run_config, model))
         issues.extend(_remote_code_issues(run_config, model))
     issues.extend(_device_issues(run_config, device))
+    if run_config.algorithm.kind in ONLINE_KINDS:
+        issues.extend(
+            cuda_graph_issues(
+                run_config.generation,
+                device,
+                model.model_type if model is not None else None,
+                where=f"cluster.device = {run_config.cluster.device!r}",
+            )
+        )
     issues.extend(tracker_issues(run_config))
     issues.extend(store_issues(run_config))
     graph = build_graph(run_config, device) if device is not None else None
@@ -367,6 +377,44 @@ def _device_issues(config: RunConfig, device: str | None) -> list[Issue]:
                     'use engine = "hf"',
                 )
             )
+    return issues
+
+
+STATIC_DECODE_MODEL_TYPES = ("llama", "mistral", "qwen2")
+"""model_types the hf engine's static decode step serves (rollout.engines.hf.static_step; the
+engine checks the loaded modules too)."""
+
+
+def cuda_graph_issues(
+    gen: GenerationSection, device: str | None, model_type: str | None, *, where: str
+) -> list[Issue]:
+    """generation.cuda_graphs = true needs a CUDA device, and with the hf engine a model its
+    static step serves: refused before the engine is built. `where` says what chose the device
+    (for the message); `rollout generate` asks the same."""
+    if gen.cuda_graphs is not True:
+        return []
+    issues = []
+    if device is not None and not device.startswith("cuda"):
+        issues.append(
+            Issue(
+                "generation.cuda_graphs",
+                f"CUDA graphs need a CUDA GPU, and this runs on {device} ({where})",
+                value=True,
+                hint='remove generation.cuda_graphs (it is "auto": on where there is a GPU), or '
+                "run on a machine with an NVIDIA GPU",
+            )
+        )
+    if gen.engine == "hf" and model_type not in (None, *STATIC_DECODE_MODEL_TYPES):
+        issues.append(
+            Issue(
+                "generation.cuda_graphs",
+                f"the hf engine captures its static decode step for "
+                f"{', '.join(STATIC_DECODE_MODEL_TYPES)} models; this model is {model_type!r}",
+                value=True,
+                hint='remove generation.cuda_graphs ("auto" decodes this model with its own '
+                'forward), or use engine = "vllm"',
+            )
+        )
     return issues
 
 

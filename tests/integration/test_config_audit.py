@@ -828,6 +828,9 @@ SECTION_CASES: dict[str, list[Case]] = {
     "generation.gpu_memory_utilization": [
         refused("grpo", {"generation.gpu_memory_utilization": 0.9})  # the hf engine ignores it
     ],
+    # No GPU here: refused. Where there is one, the hf engine captures its decode step
+    # (tests/gpu/test_static_decode_cuda.py).
+    "generation.cuda_graphs": [refused("grpo", {"generation.cuda_graphs": True})],
     "rewards[].fn": [
         run_shows(
             "grpo",

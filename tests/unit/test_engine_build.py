@@ -63,7 +63,16 @@ def test_vllm_gets_its_directory_tokenizer_and_limits(monkeypatch, tiny_llama, t
         "gpu_memory_utilization": 0.7,
         "max_model_len": 512,
         "max_num_seqs": 8,
+        "enforce_eager": False,  # cuda_graphs unset (auto): vLLM keeps its own graphs
     }
+    build_engine(
+        "vllm",
+        model=None,
+        **_tokens(tiny_llama, max_batch_size=8),
+        model_dir=tmp_path,
+        cuda_graphs=False,
+    )
+    assert seen["enforce_eager"] is True
 
 
 def test_vllm_needs_a_directory_and_unknown_engines_are_refused(tiny_llama):

@@ -55,9 +55,11 @@ def make_engine(loaded, **overrides) -> HfEngine:
     return HfEngine(loaded.model, **{**arguments, **overrides})
 
 
-@pytest.fixture
-def engine(tiny_llama) -> HfEngine:
-    return make_engine(tiny_llama)
+@pytest.fixture(params=["dynamic", "static"])
+def engine(request, tiny_llama) -> HfEngine:
+    """The engine on each decode path: DecodeBatch (the CPU's), and the static step that CUDA
+    devices take (StaticDecodeBatch; here run eagerly, without CUDA graphs)."""
+    return make_engine(tiny_llama, static=request.param == "static")
 
 
 def greedy(max_new_tokens: int = 16, **kwargs) -> SamplingParams:
@@ -198,8 +200,12 @@ def test_rows_joining_a_running_batch_sample_as_alone(tiny_llama, engine, prompt
             if not batch.busy and step // 3 + 2 >= len(rows):
                 break
     assert not batch.busy
-    assert engine.stats.extra["relayouts"] >= 2  # the long prompt moved it, the widths too
-    assert {1, 4} <= widths  # grew for the queue, shrank when one row was left
+    if isinstance(batch, decode_batch.DecodeBatch):
+        assert engine.stats.extra["relayouts"] >= 2  # the long prompt moved it, the widths too
+        assert {1, 4} <= widths  # grew for the queue, shrank when one row was left
+    else:  # slotted: a longer prompt moves nothing; narrowing moves the rows to the left
+        assert engine.stats.extra["compactions"] >= 1
+        assert {1, 2} <= widths  # up to 8 tokens a step: the queue never needed 4 slots
     for (prompt, params), request_rows in zip(requests, rows, strict=True):
         for row in request_rows:
             completion = engine.completion(row)
@@ -364,13 +370,14 @@ def _decode_paths(monkeypatch, path: str) -> None:
             monkeypatch.setattr(module, "packing_kernel", lambda: kernel)
 
 
-@pytest.mark.parametrize("path", DECODE_PATHS)
+@pytest.mark.parametrize("path", [*DECODE_PATHS, "static"])
 def test_every_decode_path_matches_the_learner(monkeypatch, family_model, prompts, path):
-    engine = make_engine(family_model)
+    engine = make_engine(family_model, static=path == "static")
     assert LlamaDecoder.supports(
         family_model.model, preallocated_cache(family_model.model.config, 8)
     )
-    _decode_paths(monkeypatch, path)
+    if path != "static":
+        _decode_paths(monkeypatch, path)
     params = SamplingParams(max_new_tokens=12, temperature=0.7, n=2, seed=4)
     completions = engine.generate(prompts, params)
     expected = learner_logprobs(family_model.model, prompts, completions, params.temperature)

@@ -73,6 +73,7 @@ CASES = {
     "run directory named by a URL": ({"run": {"output_dir": "s3://bucket/runs"}}, "run.output_dir"),
     "vllm without a GPU": ({"generation": {"engine": "vllm"}}, "generation.engine"),
     "cuda without a GPU": ({"cluster": {"device": "cuda"}}, "cluster.device"),
+    "cuda graphs without a GPU": ({"generation": {"cuda_graphs": True}}, "generation.cuda_graphs"),
     "chat template the model lacks": (
         {
             "model": {"builtin": "tiny-llama", "chat_template": None},

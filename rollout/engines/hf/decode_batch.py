@@ -64,6 +64,9 @@ class GenerationRow:
     """Set from any thread: the batch drops the row at its next step, without a completion."""
     first_column: int = 0
     """The cache column of the row's first prompt token (its slot is masked before it)."""
+    stream: int = 0
+    """The row's random stream in a static batch (StaticDecodeBatch), which draws its numbers
+    from counter_uniform(stream, token index) instead of `generator`."""
 
 
 class BatchEngine(Protocol):

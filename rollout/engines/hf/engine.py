@@ -5,6 +5,12 @@
 static batch. EngineService (rollout.engines.service) drives the pieces instead (`rows`,
 `decode_batch`, `completion`), stepping one DecodeBatch of adaptive width in a background thread.
 
+On a CUDA device a Llama-family model decodes statically instead (StaticDecodeBatch over a
+StaticDecoder: a slotted cache allocated once, a decode step of fixed shapes captured in a CUDA
+graph per width bucket, sampling on the device, the host reading tokens every few steps); the
+decoder, its cache and its graphs live as long as the engine. Other models, and the CPU, take
+the DecodeBatch path.
+
 What a Completion carries, precisely (the learner depends on it):
 - token_ids are the sampled tokens; an eos token that ended the completion is included (so the
   policy learns to stop), a stop string and the tokens that make it are not.
@@ -38,6 +44,9 @@ from rollout.engines.hf.packing import (
     packing_kernel,
     should_pack,
 )
+from rollout.engines.hf.static_batch import StaticDecodeBatch
+from rollout.engines.hf.static_step import StaticDecoder, supports_static
+from rollout.engines.sampling import stream_key
 
 # A character is at most 4 UTF-8 bytes and every token carries at least one byte, so a stop string
 # of c characters lies within its last 4c tokens; one more covers a character split across tokens.
@@ -58,6 +67,9 @@ class HfEngine:
         device: str | torch.device = "cpu",
         seed: int | None = None,
         keep_packed: bool = False,
+        cuda_graphs: bool | None = None,
+        static: bool | None = None,
+        max_context: int | None = None,
     ) -> None:
         """`model` is used in place (it may be the learner's own module). `seed` seeds the
         engine's generator, used when SamplingParams.seed is None; None draws a random seed.
@@ -65,16 +77,41 @@ class HfEngine:
         `keep_packed` keeps the packed weights of generate()'s last batch width from one call to
         the next until load_weights: for serving and batch inference, where the weights do not
         change, packing (about 0.65 s for SmolLM2) is paid once. Off for training, where the
-        weights change after every call and the copy would sit beside the learner's memory."""
+        weights change after every call and the copy would sit beside the learner's memory.
+
+        `static` decodes through the static step (module docstring): None where the device is
+        CUDA and the model a Llama-family one, True also elsewhere (the step then runs eagerly:
+        tests, benchmarks), False never. `cuda_graphs` captures that step in CUDA graphs: None
+        on CUDA, True requires CUDA and a model the static step serves, False runs it eagerly.
+        `max_context` (prompt + completion tokens) sizes the static cache from the start, so
+        that no later call grows it (growing recaptures the graphs); None grows it on demand."""
         if not eos_token_ids:
             raise ValueError("eos_token_ids is empty: the engine needs a token that ends a turn")
+        self._device = torch.device(device)
+        if cuda_graphs and self._device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs a CUDA device, not {self._device}")
+        if cuda_graphs and static is False:
+            raise ValueError("cuda_graphs=True captures the static step: static=False refuses it")
+        if (cuda_graphs or static) and not supports_static(model):
+            raise ValueError(
+                "the static decode step serves Llama-family models (llama, mistral, qwen2) with "
+                "full attention, plain linear layers and a fixed rotary table; this model is "
+                f"{getattr(model.config, 'model_type', type(model).__name__)!r}: leave "
+                "cuda_graphs unset (auto) to decode it with its own forward"
+            )
+        on_cuda = self._device.type == "cuda"
+        self._static_mode = static if static is not None else bool(cuda_graphs) or on_cuda
+        self._graphs = cuda_graphs if cuda_graphs is not None else on_cuda
+        self._max_context = max_context
+        self._static: StaticDecoder | None = None
+        self._static_weights = 0
+        """The load_weights count the static decoder's stacked copies were made at."""
         self._model = model
         self._cache_keyword = cache_keyword(model)
         self._eos = frozenset(eos_token_ids)
         self._pad = pad_token_id
         self._tokenizer = tokenizer
         self._max_batch_size = max_batch_size
-        self._device = torch.device(device)
         self._generator = torch.Generator(self._device)
         if seed is None:
             self._generator.seed()
@@ -130,7 +167,13 @@ class HfEngine:
         if not rows:
             return []
         width = min(self._max_batch_size or len(rows), len(rows))
-        batch = DecodeBatch(self, width=width, pack=should_pack(self._model, params.max_new_tokens))
+        batch: DecodeBatch | StaticDecodeBatch
+        if self._uses_static():
+            self._give_streams(rows, params)
+            batch = StaticDecodeBatch(self, max_width=width)
+        else:
+            pack = should_pack(self._model, params.max_new_tokens)
+            batch = DecodeBatch(self, width=width, pack=pack)
         batch.add(rows)
         with eval_mode(self._model), torch.inference_mode():
             while batch.busy:
@@ -168,14 +211,19 @@ class HfEngine:
         generator = self._generator
         if params.seed is not None:
             generator = torch.Generator(self._device).manual_seed(params.seed)
-        return [
+        rows = [
             GenerationRow(prompt_index, list(prompt_ids), params, generator, listener)
             for _ in range(params.n)
         ]
+        if self._uses_static():
+            self._give_streams(rows, params)
+        return rows
 
-    def decode_batch(self, max_width: int) -> DecodeBatch:
+    def decode_batch(self, max_width: int) -> DecodeBatch | StaticDecodeBatch:
         """A batch of adaptive width, at most `max_width` rows, keeping its packed weights
         between steps (until load_weights): for a long-lived scheduler."""
+        if self._uses_static():
+            return StaticDecodeBatch(self, max_width=max_width)
         pack = should_pack(self._model, PACK_MIN_NEW_TOKENS)
         return DecodeBatch(self, width=None, max_width=max_width, pack=pack)
 
@@ -197,6 +245,47 @@ class HfEngine:
             policy_version=self._version,
             top_logprobs=list(top) if row.params.top_logprobs else None,
         )
+
+    # --- the static path ---------------------------------------------------------------------------
+
+    def _uses_static(self) -> bool:
+        """Whether rows decode through the static step (the model is asked each time: a hook
+        or an adapter added since would make the step skip what the model computes)."""
+        return self._static_mode and supports_static(self._model)
+
+    def _give_streams(self, rows: Sequence[GenerationRow], params: SamplingParams) -> None:
+        """Each row's random stream for the static step: from the seed and the row's index
+        among those of the call (or request) when seeded, else drawn from the engine's generator
+        (reproducible given the engine's seed and the order of calls)."""
+        if params.seed is not None:
+            streams = [stream_key(params.seed, index) for index in range(len(rows))]
+        else:
+            streams = torch.randint(
+                0, 2**62, (len(rows),), generator=self._generator, device=self._device
+            ).tolist()
+        for row, stream in zip(rows, streams, strict=True):
+            row.stream = stream
+
+    def _static_decoder(self, width: int, capacity: int) -> StaticDecoder:
+        """The engine's static decoder, with room for `width` rows of `capacity` columns,
+        reading the model's current weights. Made again (cache and graphs) when the model's
+        dtype changed; a parameter that moved makes it recapture its graphs."""
+        decoder = self._static
+        if decoder is None or decoder.dtype != self._model.lm_head.weight.dtype:
+            self._static = None  # the old cache goes before the new one is allocated
+            decoder = self._static = StaticDecoder(
+                self._model,
+                width=max(width, self._max_batch_size or 0),
+                capacity=max(capacity, self._max_context or 0),
+                device=self._device,
+                graphs=self._graphs,
+            )
+            self._static_weights = self._weights_loaded
+            return decoder
+        decoder.resize(width, capacity)
+        decoder.follow_weights(reloaded=self._static_weights != self._weights_loaded)
+        self._static_weights = self._weights_loaded
+        return decoder
 
     # --- what a DecodeBatch calls ------------------------------------------------------------------
 

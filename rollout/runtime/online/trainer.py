@@ -328,6 +328,8 @@ def _build_engine(ctx: WorkerContext, loaded, model: torch.nn.Module) -> Engine:
         dtype=plan.derived.dtype,
         gpu_memory_utilization=gen.gpu_memory_utilization,
         max_model_len=gen.max_prompt_tokens + gen.max_new_tokens,
+        cuda_graphs=None if gen.cuda_graphs == "auto" else gen.cuda_graphs,
+        max_context=gen.max_prompt_tokens + gen.max_new_tokens,
     )
 
 
