@@ -10,6 +10,7 @@ its check.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Iterator
 
 from rollout.config.root import RunConfig
@@ -97,6 +98,18 @@ def _local_model_files(config: RunConfig, graph: Graph | None) -> Iterator[Issue
             "of rollout",
             value=value,
             hint="copy it to a local directory and point the key at that",
+        )
+
+
+@check
+def _lora_needs_peft(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
+    # find_spec locates peft without importing it (which would import torch).
+    if config.model.lora is not None and importlib.util.find_spec("peft") is None:
+        yield Issue(
+            "model.lora",
+            "LoRA adapters are built with the peft package, which is not installed here",
+            hint="pip install 'rollout[lora]' (or pip install 'peft>=0.13'), or remove "
+            "[model.lora] to train every weight",
         )
 
 
