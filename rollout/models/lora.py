@@ -39,6 +39,8 @@ class Adapters:
 
     peft_model: Any
     """peft's PeftModelForCausalLM around `model`: what saves, loads and switches adapters."""
+    export_merged: bool = False
+    """model.lora.export = "merged": checkpoints hold the merged model beside the adapter."""
 
     @property
     def model(self) -> Any:
@@ -94,7 +96,7 @@ def add_adapters(model: Any, lora: LoraSection) -> Adapters:
         warnings.filterwarnings(
             "ignore", message=".*is_gradient_checkpointing", category=FutureWarning
         )
-        return Adapters(get_peft_model(model, config))
+        return Adapters(get_peft_model(model, config), export_merged=lora.export == "merged")
 
 
 class WithoutAdapters(torch.nn.Module):

@@ -93,14 +93,13 @@ def save_checkpoint(
     keep_last: int,
     extras: Mapping[str, Extra] | None = None,
     adapters: Adapters | None = None,
-    export_merged: bool = False,
 ) -> Path:
     """Save a complete checkpoint of `step` under `root`, then keep only the `keep_last` newest.
 
     `model` is a transformers PreTrainedModel and `tokenizer` its tokenizer. The optimizer and
     scheduler may be None (checkpoint.save_optimizer = false). With LoRA `adapters`, the adapter
-    is saved instead of the model, and with `export_merged` the merged model beside it. Saving a
-    step that already exists replaces it.
+    is saved instead of the model, and the merged model beside it where their export says so.
+    Saving a step that already exists replaces it.
     """
     if step < 0 or keep_last < 1:
         raise ValueError(
@@ -118,7 +117,7 @@ def save_checkpoint(
     else:
         adapters.save(staging / ADAPTER_DIR)
         tokenizer.save_pretrained(staging / ADAPTER_DIR)
-    if adapters is not None and export_merged:
+    if adapters is not None and adapters.export_merged:
         adapters.save_merged(staging / "model")
         tokenizer.save_pretrained(staging / "model")
     if optimizer is not None:

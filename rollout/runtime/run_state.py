@@ -68,7 +68,6 @@ class RunState:
         rng = gather_rng(ctx)
         if ctx.is_main and step > 0:
             with_optimizer = ctx.plan.config.checkpoint.save_optimizer
-            lora = ctx.plan.config.model.lora
             path = save_checkpoint(
                 self.root,
                 step,
@@ -85,7 +84,6 @@ class RunState:
                 keep_last=ctx.plan.config.checkpoint.keep_last,
                 extras=self.extras,
                 adapters=self.adapters,
-                export_merged=lora is not None and lora.export == "merged",
             )
             writer.write_checkpoint(ctx.plan.run_id, step, str(path))
             log.info("checkpoint %s", path)

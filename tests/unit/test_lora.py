@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -270,7 +271,8 @@ def test_a_checkpoint_holds_the_adapter_exactly_and_the_merged_model_on_request(
         "adapters": adapted,
     }
     only = save_checkpoint(tmp_path, 1, model=model, **common)
-    both = save_checkpoint(tmp_path, 2, model=model, export_merged=True, **common)
+    merging = replace(adapted, export_merged=True)  # model.lora.export = "merged"
+    both = save_checkpoint(tmp_path, 2, model=model, **{**common, "adapters": merging})
     assert not (only / "model").exists() and (both / "model" / "model.safetensors").is_file()
     assert (only / "adapter" / "adapter_model.safetensors").is_file()
 
