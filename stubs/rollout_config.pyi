@@ -525,6 +525,38 @@ class LoggingSection(TypedDict):
 
     Default: None."""
 
+class LoraSection(TypedDict):
+    """[model.lora]: train low-rank adapters (LoRA, through peft) instead of every weight."""
+    rank: NotRequired[int]
+    """The adapters' rank r: each adapted weight W [out, in] gains B [out, r] @ A [r, in]. Higher
+    trains more parameters.
+
+    Range: ≥ 1, ≤ 4096. Default: 8."""
+    alpha: NotRequired[float]
+    """LoRA's alpha: the adapters' update is scaled by alpha / rank.
+
+    Range: > 0. Default: 16.0."""
+    dropout: NotRequired[float]
+    """Dropout on the adapters' input while training (0: none). Generation and reference
+    log-probs never drop.
+
+    Range: ≥ 0, < 1. Default: 0.0."""
+    target_modules: NotRequired[str | list[str]]
+    """Which linear layers get adapters: 'all-linear' (every projection of every decoder layer:
+    q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj for a Llama-family model;
+    not the vocabulary head), or a list of their names, e.g. ['q_proj', 'v_proj']. `rollout
+    plan` checks the names against the model.
+
+    Default: 'all-linear'."""
+    export: NotRequired[Literal["adapter", "merged"]]
+    """What a checkpoint holds as the model: 'adapter' (the adapter alone, adapter/ with
+    adapter_config.json and adapter_model.safetensors, loadable with peft's
+    PeftModel.from_pretrained on the base model) or 'merged' (that, and model/: a plain
+    Hugging Face model with the adapters merged in, for `rollout generate`, `serve` and
+    transformers).
+
+    Default: 'adapter'."""
+
 class ModelSection(TypedDict):
     path: NotRequired[str | None]
     """A local Hugging Face model directory (config.json + safetensors) or a .gguf file, or an
@@ -579,6 +611,12 @@ class ModelSection(TypedDict):
     """Recompute activations in the backward pass to save memory (slower steps).
 
     Default: False."""
+    lora: NotRequired[LoraSection | None]
+    """Train LoRA adapters instead of the whole model (every algorithm but reward models): an
+    empty [model.lora] table takes every default. The reference model is the base with the
+    adapters off, so none is copied.
+
+    Default: None."""
     trust_remote_code: NotRequired[bool]
     """Allow model code shipped with a Hugging Face checkpoint (an auto_map in its config.json or
     tokenizer_config.json) to run; refused for a model that ships none. Off by default: it

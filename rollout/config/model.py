@@ -34,6 +34,50 @@ def is_revision(value: str) -> bool:
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
+LORA_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+"""A module's own name inside a decoder layer (q_proj), not a dotted path (checked in rules)."""
+ALL_LINEAR = "all-linear"
+"""model.lora.target_modules: every linear layer of the decoder layers (not the vocabulary head)."""
+
+
+class LoraSection(ConfigModel):
+    """[model.lora]: train low-rank adapters (LoRA, through peft) instead of every weight."""
+
+    rank: int = Field(
+        default=8,
+        ge=1,
+        le=4096,
+        description="The adapters' rank r: each adapted weight W [out, in] gains B [out, r] @ "
+        "A [r, in]. Higher trains more parameters.",
+    )
+    alpha: float = Field(
+        default=16.0,
+        gt=0,
+        description="LoRA's alpha: the adapters' update is scaled by alpha / rank.",
+    )
+    dropout: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="Dropout on the adapters' input while training (0: none). Generation and "
+        "reference log-probs never drop.",
+    )
+    target_modules: str | list[str] = Field(
+        default=ALL_LINEAR,
+        description="Which linear layers get adapters: 'all-linear' (every projection of every "
+        "decoder layer: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj for a "
+        "Llama-family model; not the vocabulary head), or a list of their names, e.g. "
+        "['q_proj', 'v_proj']. `rollout plan` checks the names against the model.",
+    )
+    export: Literal["adapter", "merged"] = Field(
+        default="adapter",
+        description="What a checkpoint holds as the model: 'adapter' (the adapter alone, "
+        "adapter/ with adapter_config.json and adapter_model.safetensors, loadable with peft's "
+        "PeftModel.from_pretrained on the base model) or 'merged' (that, and model/: a plain "
+        "Hugging Face model with the adapters merged in, for `rollout generate`, `serve` and "
+        "transformers).",
+    )
+
 
 class ModelSection(ConfigModel):
     path: Location | None = Field(
@@ -92,6 +136,12 @@ class ModelSection(ConfigModel):
     gradient_checkpointing: bool = Field(
         default=False,
         description="Recompute activations in the backward pass to save memory (slower steps).",
+    )
+    lora: LoraSection | None = Field(
+        default=None,
+        description="Train LoRA adapters instead of the whole model (every algorithm but "
+        "reward models): an empty [model.lora] table takes every default. The reference model "
+        "is the base with the adapters off, so none is copied.",
     )
     trust_remote_code: bool = Field(
         default=False,

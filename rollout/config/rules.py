@@ -20,7 +20,7 @@ from rollout.config.algorithm import (
 from rollout.config.data import FieldMap
 from rollout.config.generation import GenerationSection
 from rollout.config.logging import TRACKER_OPTIONS
-from rollout.config.model import MODEL_SOURCES, is_hub_id, is_revision
+from rollout.config.model import ALL_LINEAR, LORA_MODULE_NAME, MODEL_SOURCES, is_hub_id, is_revision
 from rollout.config.root import RunConfig
 from rollout.errors import Issue
 
@@ -125,6 +125,72 @@ def model_source_is_one(config: RunConfig) -> Iterator[Issue]:
             "a builtin model takes no model.file or model.format",
             value=model.builtin,
             hint="remove model.file and model.format",
+        )
+
+
+@rule("model")
+def lora_targets_are_module_names(config: RunConfig) -> Iterator[Issue]:
+    lora = config.model.lora
+    if lora is None:
+        return
+    targets = lora.target_modules
+    example = "e.g. target_modules = ['q_proj', 'v_proj']"
+    if isinstance(targets, str):
+        if targets != ALL_LINEAR:
+            yield Issue(
+                "model.lora.target_modules",
+                f"is neither {ALL_LINEAR!r} nor a list of module names",
+                value=targets,
+                hint=f"write {ALL_LINEAR!r}, or a list: {example}",
+            )
+        return
+    if not targets:
+        yield Issue(
+            "model.lora.target_modules",
+            "is empty: no layer would get an adapter",
+            value=targets,
+            hint=f"name at least one module ({example}), or write {ALL_LINEAR!r}",
+        )
+    for i, name in enumerate(targets):
+        if not LORA_MODULE_NAME.fullmatch(name):
+            yield Issue(
+                f"model.lora.target_modules[{i}]",
+                "is not a module name (letters, digits and '_'; the name inside a decoder "
+                "layer, not a dotted path)",
+                value=name,
+                hint=f"{example}; every layer's module of that name gets an adapter",
+            )
+    repeated = sorted({name for name in targets if targets.count(name) > 1})
+    if repeated:
+        yield Issue(
+            "model.lora.target_modules",
+            f"names {', '.join(map(repr, repeated))} more than once",
+            value=targets,
+            hint="list each module once",
+        )
+
+
+@rule("model", "algorithm")
+def lora_fits_the_algorithm(config: RunConfig) -> Iterator[Issue]:
+    if config.model.lora is not None and config.algorithm.kind == "rm":
+        yield Issue(
+            "model.lora",
+            "a reward model trains a new score head over the whole model, which LoRA adapters "
+            "do not cover: reward models are trained without LoRA",
+            hint='remove [model.lora] for algorithm.kind = "rm"',
+        )
+
+
+@rule("model", "generation", "algorithm")
+def lora_needs_the_hf_engine(config: RunConfig) -> Iterator[Issue]:
+    online = config.algorithm.kind in ONLINE_KINDS
+    if online and config.model.lora is not None and config.generation.engine == "vllm":
+        yield Issue(
+            "generation.engine",
+            "the vllm engine keeps its own copy of the weights and takes no LoRA adapters from "
+            "the learner: it would sample from the base model",
+            value="vllm",
+            hint='use engine = "hf" with [model.lora], or remove [model.lora]',
         )
 
 
@@ -444,6 +510,20 @@ def cuda_graphs_need_cuda(config: RunConfig) -> Iterator[Issue]:
             value=True,
             hint='remove generation.cuda_graphs (it is "auto": on where there is a GPU), or '
             'set cluster.device = "cuda"',
+        )
+
+
+@rule("generation", "model")
+def cuda_graphs_take_no_lora(config: RunConfig) -> Iterator[Issue]:
+    """The captured static step reads the base weights; an adapted policy decodes through the
+    dynamic path (rollout.engines.hf.static_step.supports_static)."""
+    if config.generation.cuda_graphs is True and config.model.lora is not None:
+        yield Issue(
+            "generation.cuda_graphs",
+            "the captured decode step does not apply LoRA adapters, and [model.lora] is set",
+            value=True,
+            hint='remove generation.cuda_graphs ("auto" decodes an adapted model with its own '
+            "forward, adapters applied)",
         )
 
 

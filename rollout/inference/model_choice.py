@@ -336,6 +336,7 @@ def _checkpoint_at(path: Path) -> FoundCheckpoint:
     if path.name == "model" and (path / "config.json").is_file():
         path = path.parent  # the model/ inside a checkpoint: take the checkpoint
     if _STEP_DIR.fullmatch(path.name):
+        _refuse_adapter_only(path)
         if not (path / _COMPLETE).is_file() or not (path / "model").is_dir():
             raise RolloutError(
                 Issue(
@@ -403,7 +404,26 @@ def _latest_in(root: Path, plan: Plan | None) -> FoundCheckpoint:
                 "generate from the base model with --model",
             )
         )
+    _refuse_adapter_only(Path(latest))
     return FoundCheckpoint(latest / "model", plan)
+
+
+def _refuse_adapter_only(step: Path) -> None:
+    """A LoRA run's checkpoint holds model/ only with model.lora.export = "merged"."""
+    if (
+        (step / _COMPLETE).is_file()
+        and not (step / "model").is_dir()
+        and (step / "adapter").is_dir()
+    ):
+        raise RolloutError(
+            Issue(
+                "--checkpoint",
+                f"{step} holds a LoRA adapter only (adapter/; the run had model.lora.export = "
+                "'adapter'), not a model to load",
+                hint="train with model.lora.export = 'merged' to write model/ too, or load "
+                "adapter/ with peft: PeftModel.from_pretrained(base_model, adapter_dir)",
+            )
+        )
 
 
 def _plan_beside(checkpoint_root: Path) -> Plan | None:

@@ -42,11 +42,13 @@ from rollout.planner.hardware import probe_hardware
 from rollout.planner.inspect_data import inspect_data
 from rollout.planner.inspect_model import inspect_model
 from rollout.planner.inspect_samples import record_check
+from rollout.planner.lora import adapter_parameters, lora_issues
 from rollout.planner.memory import (
     check_fits,
     estimate_memory,
     generation_shape,
     keeps_reference_model,
+    runs_live_reference,
     vllm_share_issues,
 )
 from rollout.planner.placement import build_graph
@@ -103,6 +105,7 @@ def build_plan(
     if model is not None:
         issues.extend(_context_issues(run_config, model))
         issues.extend(_remote_code_issues(run_config, model))
+        issues.extend(lora_issues(run_config.model.lora, model))
     issues.extend(_device_issues(run_config, device))
     if run_config.algorithm.kind in ONLINE_KINDS:
         issues.extend(
@@ -127,7 +130,7 @@ def build_plan(
 
     when = (created_at or datetime.now(timezone.utc)).replace(microsecond=0)
     run_id = run_id or make_run_id(run_config.run.name, when)
-    derived = _derive(run_config, data, hardware, graph, run_id)
+    derived = _derive(run_config, data, hardware, graph, run_id, model)
     shape = generation_shape(run_config, model, graph, derived, data)
     memory = estimate_memory(run_config, model, graph, derived, hardware, shape)
     check_fits(
@@ -542,7 +545,12 @@ def _actor_count(graph: Graph) -> int:
 
 
 def _derive(
-    config: RunConfig, data: list[DataFacts], hardware: HardwareFacts, graph: Graph, run_id: str
+    config: RunConfig,
+    data: list[DataFacts],
+    hardware: HardwareFacts,
+    graph: Graph,
+    run_id: str,
+    model: ModelFacts,
 ) -> Derived:
     algo = config.algorithm
     run_dir = Path(config.run.output_dir).resolve() / run_id
@@ -572,6 +580,7 @@ def _derive(
         max_len = algo.max_length
     micro = algo.micro_batch_size or max(1, minibatch // learners)
     per_rank = max(1, minibatch // learners)
+    lora = config.model.lora
     return Derived(
         dtype=_dtype(config, graph.device),
         run_dir=str(run_dir),
@@ -591,6 +600,8 @@ def _derive(
         max_sequence_length=max_len,
         kl_in_reward=in_reward,
         keeps_reference_model=keeps_reference_model(config),
+        reference_adapters_off=lora is not None and runs_live_reference(config),
+        adapter_parameters=adapter_parameters(lora, model) if lora is not None else None,
         logprob_temperature=logprob_temperature,
         evaluates=config.data.eval is not None and any(f.split == "eval" for f in data),
     )

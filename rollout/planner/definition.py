@@ -174,6 +174,16 @@ class Derived(Frozen):
     keeps_reference_model: bool = Field(
         description="Whether a frozen copy of the policy is held beside it through training."
     )
+    reference_adapters_off: bool = Field(
+        default=False,
+        description="With [model.lora] and a live reference (an online kind with kl_coef > 0, "
+        "DPO, IPO or KTO with reference = 'live'): the reference is the policy run with its "
+        "adapters off, the base model, so no copy is held.",
+    )
+    adapter_parameters: Count | None = Field(
+        default=None,
+        description="With [model.lora]: the LoRA adapters' parameters, the only ones trained.",
+    )
     logprob_temperature: float | None = Field(
         default=None,
         description="Online kinds: the temperature the learner scores completions at, the "

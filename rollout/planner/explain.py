@@ -67,6 +67,17 @@ def _model_and_data(plan: Plan) -> Table:
         f"{plan.derived.dtype}{quant}",
     )
     table.add_row("", "chat template: " + ("yes" if model.chat_template else "no"))
+    lora = plan.config.model.lora
+    if lora is not None and plan.derived.adapter_parameters is not None:
+        trained = plan.derived.adapter_parameters
+        targets = lora.target_modules
+        table.add_row(
+            "LoRA",
+            f"rank {lora.rank}, alpha {lora.alpha:g}, dropout {lora.dropout:g} on "
+            f"{targets if isinstance(targets, str) else ', '.join(targets)}: "
+            f"{trained / 1e6:.2f}M trained params ({trained / model.num_parameters:.2%}); "
+            f"checkpoints export the {lora.export} model",
+        )
     for facts in plan.data:
         table.add_row(
             facts.split,
@@ -191,6 +202,11 @@ def _reference_note(plan: Plan) -> str | None:
     """Where the reference log-probs come from, and so whether a reference model is counted."""
     if keeps_reference_model(plan.config):
         return "reference weights: a frozen copy of the initial policy, loaded through training"
+    if plan.derived.reference_adapters_off:
+        return (
+            "reference: the policy with its LoRA adapters off (the base model it adapts); no "
+            "copy is held"
+        )
     if plan.config.algorithm.kind in REFERENCE_KINDS:
         return (
             "reference: log-probs computed once before step 1 by the policy itself and cached in "

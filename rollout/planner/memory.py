@@ -14,6 +14,11 @@ keeps a packed copy of its linear weights while it samples (see PACK_MAX_BYTES b
 
 A reference model is counted only where the runtime keeps one loaded (keeps_reference_model):
 DPO, IPO and KTO with the default reference = "cached" hold none while they train.
+
+With [model.lora] the learner trains the adapters alone (rollout.planner.lora counts them):
+gradients and AdamW state are the adapters' (float32, as peft keeps them), their weights are
+added to the model's, and a live reference is the policy with its adapters off, so no reference
+copy is counted.
 """
 
 from __future__ import annotations
@@ -165,19 +170,26 @@ def _linear_weight_params(model: ModelFacts) -> tuple[int, int]:
     return model.num_layers * per_layer, model.vocab_size * hidden
 
 
+def runs_live_reference(config: RunConfig) -> bool:
+    """Whether a reference model scores batches through training: the online kinds with a KL
+    term (kl_coef > 0), and DPO, IPO and KTO with reference = "live"."""
+    algo = config.algorithm
+    if algo.kind in ONLINE_KINDS:
+        return algo.kl_coef > 0
+    return algo.kind in REFERENCE_KINDS and algo.reference == "live"
+
+
 def keeps_reference_model(config: RunConfig) -> bool:
-    """Whether a frozen copy of the policy stays loaded beside it through training: the online
-    kinds with a KL term (kl_coef > 0), and DPO, IPO and KTO with reference = "live".
+    """Whether a frozen copy of the policy stays loaded beside it through training: a live
+    reference (runs_live_reference), unless LoRA trains adapters, whose base model, run with
+    the adapters off, is the reference.
 
     With reference = "cached", the reference log-probs are computed once before step 1 by the
     policy itself (it is the reference until its first update), under no_grad, one micro batch
     at a time, before the optimizer exists: that pass holds the weights and one micro batch's
     forward pass, a part of what training then holds, so it never sets the peak.
     """
-    algo = config.algorithm
-    if algo.kind in ONLINE_KINDS:
-        return algo.kl_coef > 0
-    return algo.kind in REFERENCE_KINDS and algo.reference == "live"
+    return runs_live_reference(config) and config.model.lora is None
 
 
 def estimate_memory(
@@ -291,13 +303,21 @@ def _process_items(
 ) -> dict[str, int]:
     width = BYTES_PER_PARAM[derived.dtype]
     params = model.num_parameters
+    # With LoRA only the adapters train: they alone have gradients and optimizer state. peft
+    # keeps adapters in float32 whatever the model's dtype (its autocast_adapter_dtype), so
+    # they need no master copy either.
+    lora = config.model.lora is not None
+    adapters = derived.adapter_parameters or 0
+    trained, trained_width = (adapters, 4) if lora else (params, width)
+    # AdamW keeps two fp32 moments, plus an fp32 master copy when training in half precision.
+    optimizer_bytes = 8 if trained_width == 4 else 12
     items: dict[str, int] = defaultdict(int)
     trains = "learner" in roles
     if trains:
         items["weights"] += params * width
-        items["gradients"] += params * width
-        # AdamW keeps two fp32 moments, plus an fp32 master copy when training in half precision.
-        items["optimizer"] += params * (8 if width == 4 else 12)
+        items["adapter_weights"] += adapters * 4
+        items["gradients"] += trained * trained_width
+        items["optimizer"] += trained * optimizer_bytes
         items["activations"] += _activation_bytes(config, model, derived, width)
     if "actor" in roles and shape is not None and shape.engine == "hf":
         if not trains:  # a colocated hf actor generates with the learner's own weights
@@ -308,7 +328,10 @@ def _process_items(
     if "reference" in roles and keeps_reference_model(config):
         items["reference_weights"] += params * width
     if "critic" in roles:
-        items["critic"] += params * (width * 2 + (8 if width == 4 else 12))
+        # A copy of the trunk, trained whole, or with LoRA frozen under adapters of its own.
+        items["critic"] += (
+            params * width + adapters * 4 + trained * (trained_width + optimizer_bytes)
+        )
     return {k: v for k, v in items.items() if v}
 
 
@@ -369,9 +392,12 @@ _REMEDIES = {
     "sampling": "lower generation.max_batch_size",
     "packed_weights": 'use model.dtype = "bfloat16" (the hf engine packs float32 weights only) '
     "or a smaller model",
-    "optimizer": 'use model.dtype = "bfloat16" or a smaller model',
+    "optimizer": 'train LoRA adapters ([model.lora]), use model.dtype = "bfloat16" or a smaller '
+    "model",
     "weights": 'use model.dtype = "bfloat16" or a smaller model',
-    "gradients": 'use model.dtype = "bfloat16" or a smaller model',
+    "adapter_weights": "lower model.lora.rank or name fewer model.lora.target_modules",
+    "gradients": 'train LoRA adapters ([model.lora]), use model.dtype = "bfloat16" or a smaller '
+    "model",
     "reference_weights": 'use algorithm.reference = "cached" (DPO, IPO, KTO) or set '
     "algorithm.kl_coef = 0 (online kinds): no reference model is held then; or place the "
     "reference role on another process",

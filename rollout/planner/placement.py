@@ -17,7 +17,7 @@ ROLE_ORDER = ("actor", "reward", "reference", "critic", "learner")
 _WHAT = {
     "actor": "generates completions with the {engine} engine",
     "reward": "scores completions with {n_rewards} reward function(s)",
-    "reference": "frozen copy of the initial policy: log-probs for the KL term",
+    "reference": "{reference}: log-probs for the KL term",
     "critic": "value model: per-token value estimates for GAE",
     "learner": "computes the {kind} loss and updates the policy",
 }
@@ -54,6 +54,9 @@ def build_graph(config: RunConfig, device: str) -> Graph:
         "engine": config.generation.engine,
         "n_rewards": len(config.rewards),
         "kind": config.algorithm.kind,
+        "reference": "the policy with its LoRA adapters off"
+        if config.model.lora is not None
+        else "frozen copy of the initial policy",
     }
     return Graph(
         world_size=world,

@@ -100,6 +100,18 @@ def _local_model_files(config: RunConfig, graph: Graph | None) -> Iterator[Issue
 
 
 @check
+def _lora_needs_peft(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
+    # find_spec locates peft without importing it (which would import torch).
+    if config.model.lora is not None and importlib.util.find_spec("peft") is None:
+        yield Issue(
+            "model.lora",
+            "LoRA adapters are built with the peft package, which is not installed here",
+            hint="pip install 'rollout[lora]' (or pip install 'peft>=0.13'), or remove "
+            "[model.lora] to train every weight",
+        )
+
+
+@check
 def _artifact_store(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
     location = config.storage.artifacts
     if location is None or not is_url(location):

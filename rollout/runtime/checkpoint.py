@@ -12,6 +12,14 @@
                                 weights.safetensors, and its optimizer and scheduler files
         COMPLETE                written last: a directory without it is not a checkpoint
 
+With LoRA ([model.lora]) the base model never changes, so a checkpoint holds the adapter instead
+of model/, and the optimizer state is the adapter's (the only parameters it steps):
+
+        adapter/                peft's adapter_config.json and adapter_model.safetensors, and
+                                the tokenizer: PeftModel.from_pretrained(base, "adapter") loads it
+        model/                  only with model.lora.export = "merged": a plain Hugging Face
+                                model with the adapters merged in (what generate and serve load)
+
 A save writes everything into `<root>/.step-000010.tmp-<random>`, fsyncs it, writes COMPLETE,
 renames the directory to `step-000010` and fsyncs `<root>`. A crash at any point leaves either the
 finished checkpoint or a temp directory, which readers ignore and the next save deletes.
@@ -40,7 +48,7 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -48,8 +56,12 @@ from safetensors.torch import load_file, save_file
 
 from rollout.files import is_url
 
+if TYPE_CHECKING:
+    from rollout.models.lora import Adapters
+
 FORMAT_VERSION = 1
 COMPLETE = "COMPLETE"
+ADAPTER_DIR = "adapter"
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 _TEMP_DIR = re.compile(r"\.step-\d+\.tmp-.+")
@@ -80,12 +92,14 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     keep_last: int,
     extras: Mapping[str, Extra] | None = None,
+    adapters: Adapters | None = None,
 ) -> Path:
     """Save a complete checkpoint of `step` under `root`, then keep only the `keep_last` newest.
 
     `model` is a transformers PreTrainedModel and `tokenizer` its tokenizer. The optimizer and
-    scheduler may be None (checkpoint.save_optimizer = false). Saving a step that already exists
-    replaces it.
+    scheduler may be None (checkpoint.save_optimizer = false). With LoRA `adapters`, the adapter
+    is saved instead of the model, and the merged model beside it where their export says so.
+    Saving a step that already exists replaces it.
     """
     if step < 0 or keep_last < 1:
         raise ValueError(
@@ -97,8 +111,15 @@ def save_checkpoint(
     )
     name = f"step-{step:06d}"
     staging = _stage(root, name)
-    model.save_pretrained(staging / "model")
-    tokenizer.save_pretrained(staging / "model")
+    if adapters is None:
+        model.save_pretrained(staging / "model")
+        tokenizer.save_pretrained(staging / "model")
+    else:
+        adapters.save(staging / ADAPTER_DIR)
+        tokenizer.save_pretrained(staging / ADAPTER_DIR)
+    if adapters is not None and adapters.export_merged:
+        adapters.save_merged(staging / "model")
+        tokenizer.save_pretrained(staging / "model")
     if optimizer is not None:
         _save_optimizer(staging, optimizer)
     if scheduler is not None:
@@ -126,14 +147,20 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     extras: Mapping[str, Extra] | None = None,
+    adapters: Adapters | None = None,
 ) -> dict[str, Any]:
-    """Restore weights (in place, strictly), optimizer, scheduler and RNG states from a checkpoint;
-    return the trainer state it was saved with. Pass None for an optimizer or scheduler that
-    should keep its fresh state."""
+    """Restore weights (in place, strictly; with LoRA `adapters`, the adapter's), optimizer,
+    scheduler and RNG states from a checkpoint; return the trainer state it was saved with. Pass
+    None for an optimizer or scheduler that should keep its fresh state."""
     if is_url(path):
         with _downloaded(str(path)) as local:
             return load_checkpoint(
-                local, model=model, optimizer=optimizer, scheduler=scheduler, extras=extras
+                local,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                extras=extras,
+                adapters=adapters,
             )
     path = Path(path)
     if not (path / COMPLETE).is_file():
@@ -144,7 +171,15 @@ def load_checkpoint(
             f"{path} has checkpoint format {trainer['format_version']}; this version of rollout "
             f"reads format {FORMAT_VERSION}"
         )
-    _load_weights(model, path / "model")
+    if adapters is None:
+        _load_weights(model, path / "model")
+    elif not (path / ADAPTER_DIR).is_dir():
+        raise ValueError(
+            f"{path} holds no {ADAPTER_DIR}/: it was saved without LoRA, and this run trains "
+            "LoRA adapters ([model.lora])"
+        )
+    else:
+        adapters.load(path / ADAPTER_DIR)
     if optimizer is not None:
         _load_optimizer(path, optimizer)
     if scheduler is not None:

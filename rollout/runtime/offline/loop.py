@@ -21,6 +21,7 @@ import torch
 
 from rollout.harness.model_reward import SAMPLE_FORMAT_KEY
 from rollout.models.loading import LoadedModel, load_model
+from rollout.models.lora import Adapters, add_adapters
 from rollout.runtime import transport
 from rollout.runtime.components import build_optimizer, build_scheduler
 from rollout.runtime.context import WorkerContext
@@ -48,6 +49,8 @@ class Run:
     stream: PromptStream
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    adapters: Adapters | None = None
+    """With LoRA: the adapters, the only parameters the optimizer steps."""
 
 
 def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
@@ -60,6 +63,7 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
         run.optimizer,
         run.scheduler,
         run.stream,
+        adapters=run.adapters,
     )
     per_rank = plan.derived.minibatch_per_rank
 
@@ -112,9 +116,11 @@ def _optimizer_step(ctx: WorkerContext, run: Run, indices: list[int]) -> tuple[d
         tokens += micro_tokens
         for name, value in metrics.items():
             totals[f"train/{name}"] += value
-    transport.average_gradients(run.model.parameters())
+    # What the optimizer steps (with LoRA, the adapters alone): every rank averages the same.
+    trained = [p for group in run.optimizer.param_groups for p in group["params"]]
+    transport.average_gradients(trained)
     limit = ctx.plan.config.algorithm.max_grad_norm
-    params = [p for p in run.model.parameters() if p.grad is not None]
+    params = [p for p in trained if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, limit if limit is not None else float("inf"))
     run.optimizer.step()
     run.scheduler.step()
@@ -153,6 +159,11 @@ def _build(ctx: WorkerContext) -> Run:
         base_dir=Path(plan.base_dir),
     )
     model = _trainable(algo.kind, loaded, config)
+    adapters = None
+    if config.model.lora is not None:  # rm is refused with LoRA: its head would not train
+        adapters = add_adapters(model, config.model.lora)
+    if config.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
     torch.manual_seed(plan.seeds.per_rank[ctx.rank])
     train_split, eval_split = load_splits(plan, loaded)
     log.info(
@@ -169,7 +180,9 @@ def _build(ctx: WorkerContext) -> Run:
     objective = OBJECTIVES[algo.kind](context)
     if objective.streams:
         # Before any checkpoint is loaded: the reference is the model as the run began.
-        context.reference = build_reference(ctx, model, objective, train_split, eval_split)
+        context.reference = build_reference(
+            ctx, model, objective, train_split, eval_split, adapters
+        )
     optimizer = build_optimizer(model, algo)
     return Run(
         model=model,
@@ -186,6 +199,7 @@ def _build(ctx: WorkerContext) -> Run:
         ),
         optimizer=optimizer,
         scheduler=build_scheduler(optimizer, algo, plan.derived.total_optimizer_steps),
+        adapters=adapters,
     )
 
 
@@ -203,6 +217,4 @@ def _trainable(kind: str, loaded: LoadedModel, config: Any) -> Any:
                 "eos_token_id": loaded.eos_token_ids[0],
             },
         )
-    if config.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
     return model

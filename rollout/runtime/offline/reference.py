@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from rollout.models.batches import CompletionBatch
+from rollout.models.lora import Adapters
 from rollout.runtime.context import WorkerContext
 from rollout.runtime.offline.data import Split
 from rollout.runtime.offline.objectives import Objective, sequence_sums
@@ -35,7 +36,8 @@ class CachedReference:
 
 @dataclass
 class LiveReference:
-    """A frozen copy of the initial model, run on every batch."""
+    """A frozen copy of the initial model, or with LoRA the model with its adapters off, run on
+    every batch."""
 
     model: Any
 
@@ -52,20 +54,27 @@ def build_reference(
     objective: Objective,
     train_split: Split,
     eval_split: Split | None,
+    adapters: Adapters | None = None,
 ) -> CachedReference | LiveReference:
     """The reference ``objective`` compares with: ``model`` as it is now (call it before any
     checkpoint is loaded), copied and run on every batch ("live"), or its log-probs computed once
-    and kept in the run directory ("cached", rollout.runtime.offline.reference_cache)."""
+    and kept in the run directory ("cached", rollout.runtime.offline.reference_cache). With LoRA
+    `adapters`, the reference is ``model`` with its adapters off (the base model): run live
+    without a copy, or cached."""
     plan = ctx.plan
     if plan.derived.keeps_reference_model:
         reference = copy.deepcopy(model).eval()
         reference.requires_grad_(False)
         return LiveReference(reference)
+    if plan.derived.reference_adapters_off:
+        assert adapters is not None
+        return LiveReference(adapters.without_adapters())
+    scorer = model if adapters is None else adapters.without_adapters()
     splits = {s.name: s for s in (train_split, eval_split) if s is not None}
 
     def compute(split: str, indices: list[int]) -> dict[str, list[float]]:
         with torch.no_grad():
-            sums = objective.reference_sums(model, splits[split], indices)
+            sums = objective.reference_sums(scorer, splits[split], indices)
         return {stream: values.tolist() for stream, values in sums.items()}
 
     model.eval()

@@ -25,6 +25,7 @@ from rollout.engines.build import build_engine
 from rollout.engines.hf.engine import HfEngine
 from rollout.harness.reward_runner import RewardRunner
 from rollout.models.loading import LoadedModel, apply_chat_template, load_model
+from rollout.models.lora import Adapters, add_adapters
 from rollout.planner.definition import Plan
 from rollout.runtime.checkpoint import Extra
 from rollout.runtime.components import build_optimizer, build_reward_functions, build_scheduler
@@ -53,6 +54,8 @@ class Roles:
     prompt_format: PromptFormat
     token_advantages: TokenAdvantages | None = None
     """PPO and REINFORCE++: scores the actor's batch per token before the learner sees it."""
+    adapters: Adapters | None = None
+    """With LoRA: the adapters the learner trains (the engine samples with them in place)."""
 
     def sync_weights(self, version: int) -> None:
         """The learner's weights to the engine: the hf engine shares the learner's module (only
@@ -87,6 +90,7 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
         roles.learner.scheduler,
         stream,
         roles.extras(),
+        roles.adapters,
     )
     start = 0
     resumed = checkpoints.resume(ctx)
@@ -151,12 +155,18 @@ def _build_roles(ctx: WorkerContext) -> Roles:
     """Every role of this rank, built in an order that draws the same random numbers each run."""
     plan = ctx.plan
     kind = ALGORITHMS[plan.config.algorithm.kind]
-    loaded, model = _load_policy(ctx)
+    loaded, model, adapters = _load_policy(ctx)
     engine = _build_engine(ctx, loaded, model)
     prompt_format = _prompt_format(plan.config, loaded)
     actor = _build_actor(ctx, engine, prompt_format, kind)
-    # The reference is the policy as it starts: copied before any checkpoint is loaded.
-    reference = _frozen_copy(model) if plan.derived.keeps_reference_model else None
+    # The reference is the policy as it starts: copied before any checkpoint is loaded, or with
+    # LoRA the policy with its adapters off (the base weights never move).
+    reference = None
+    if plan.derived.keeps_reference_model:
+        reference = _frozen_copy(model)
+    elif plan.derived.reference_adapters_off:
+        assert adapters is not None
+        reference = adapters.without_adapters()
     critic = None
     if kind.critic:
         critic = _build_critic(model, plan.config.algorithm, plan.derived.total_optimizer_steps)
@@ -168,10 +178,13 @@ def _build_roles(ctx: WorkerContext) -> Roles:
         tokenizer=loaded.tokenizer,
         prompt_format=prompt_format,
         token_advantages=_token_advantages(ctx.plan, kind, learner, reference),
+        adapters=adapters,
     )
 
 
-def _load_policy(ctx: WorkerContext) -> tuple[LoadedModel, torch.nn.Module]:
+def _load_policy(ctx: WorkerContext) -> tuple[LoadedModel, torch.nn.Module, Adapters | None]:
+    """The policy as the plan describes it; with [model.lora] its adapters too (peft adapts the
+    model in place: the same module is the learner's, the engine's and the critic's trunk)."""
     plan, config = ctx.plan, ctx.plan.config
     loaded = load_model(
         plan.model,
@@ -181,9 +194,12 @@ def _load_policy(ctx: WorkerContext) -> tuple[LoadedModel, torch.nn.Module]:
         base_dir=Path(plan.base_dir),
     )
     model = loaded.model.to(ctx.device)
+    adapters = None
+    if config.model.lora is not None:
+        adapters = add_adapters(model, config.model.lora)
     if config.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    return loaded, model
+    return loaded, model, adapters
 
 
 def _prompt_format(config: Any, loaded: LoadedModel) -> PromptFormat:
