@@ -40,6 +40,8 @@ def translate_errors(exc: ValidationError, *, prefix: tuple[str, ...], root: Any
 
 def translate(exc: ValidationError, *, prefix: tuple[str, ...], root: Any) -> list[Translated]:
     found = []
+    literals: dict[str, str] = {}
+    """path -> the choices of a literal that refused the value there."""
     for error in exc.errors(include_url=False):
         path, raw_path, parent, leaf = _walk(root, tuple(error["loc"]), prefix)
         issue = _issue_for(error, path, parent)
@@ -52,7 +54,41 @@ def translate(exc: ValidationError, *, prefix: tuple[str, ...], root: Any) -> li
             raw_path += (str(error.get("ctx", {}).get("discriminator", "kind")).strip("'"),)
             missing = True
         found.append(Translated(issue, raw_path, missing=missing))
-    return found
+        if error["type"] == "literal_error":
+            literals[issue.path] = str(error.get("ctx", {}).get("expected", ""))
+    return _one_per_union(found, literals)
+
+
+def _list_member_said_more(entry: Translated, found: list[Translated]) -> bool:
+    """A list given to `str | list[str]` fails the str member ("not a list") and the list member
+    at its items: the items' errors say what to change."""
+    path = entry.issue.path
+    return ", not a list" in entry.issue.message and any(
+        other.issue.path.startswith(f"{path}[") for other in found
+    )
+
+
+def _one_per_union(found: list[Translated], literals: dict[str, str]) -> list[Translated]:
+    """One issue per field: a value that fits no member of a union such as `'auto' | bool` fails
+    each member at the same path. The member that is not a literal says what the value should
+    be; the literal's choices are added to it."""
+    kept: dict[str, Translated] = {}
+    for entry in found:
+        path = entry.issue.path
+        first = kept.get(path)
+        if first is None or (path in literals and first.issue.message.startswith("expected one")):
+            kept[path] = entry
+    result = []
+    for entry in found:
+        if kept.get(entry.issue.path) is not entry or _list_member_said_more(entry, found):
+            continue
+        path = entry.issue.path
+        several = sum(f.issue.path == path for f in found) > 1
+        if path in literals and several and not entry.issue.message.startswith("expected one"):
+            message = f"{entry.issue.message} (or one of {literals[path]})"
+            entry = replace(entry, issue=replace(entry.issue, message=message))
+        result.append(entry)
+    return result
 
 
 def _is_secret(annotation: Any, value: str) -> bool:
@@ -315,6 +351,10 @@ def _walk(
             # pydantic puts the chosen tag in the location: it is not a key the user wrote.
             current = union_members.get(part, current)
             continue
+        member = _union_member(current, part)
+        if member is not None:  # likewise the member of a plain union ('bool', "literal['auto']")
+            current = member
+            continue
         raw.append(part)
         if isinstance(part, int):
             path += f"[{part}]"
@@ -334,6 +374,20 @@ def _strip_optional(annotation: Any) -> Any:
         if len(members) == 1:
             return _strip_optional(members[0])
     return annotation
+
+
+def _union_member(annotation: Any, tag: Any) -> Any:
+    """The member of a union of scalars (or lists of them) that pydantic names `tag` in an error
+    location: 'bool', 'str', 'list[str]', "literal['auto']"; None when `tag` names none."""
+    if get_origin(annotation) not in (Union, types.UnionType) or not isinstance(tag, str):
+        return None
+    for member in get_args(annotation):
+        if get_origin(member) is Literal:
+            if tag.startswith("literal["):
+                return member
+        elif tag == getattr(member, "__name__", None) or tag == repr(member):
+            return member
+    return None
 
 
 def _discriminated_members(annotation: Any) -> dict[str, Any] | None:

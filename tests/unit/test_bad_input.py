@@ -470,11 +470,13 @@ def _scalar_fields(annotation: Any, prefix: tuple[Any, ...]) -> Iterator[tuple[t
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         for name, info in annotation.model_fields.items():
             yield from _scalar_fields(info.annotation, (*prefix, name))
-    elif origin in (Union, types.UnionType):  # the algorithm union, one branch per kind
-        for member in get_args(annotation):
+    elif origin in (Union, types.UnionType) and all(_is_kind(m) for m in get_args(annotation)):
+        for member in get_args(annotation):  # the algorithm union, one branch per kind
             kind = get_args(member.model_fields["kind"].annotation)[0]
             for path, scalar, _ in _scalar_fields(member, prefix):
                 yield path, scalar, kind
+    elif origin in (Union, types.UnionType):  # of scalars (and lists), e.g. 'auto' | bool
+        yield prefix, annotation, None
     elif origin is list and get_args(annotation):
         yield from _scalar_fields(get_args(annotation)[0], (*prefix, 0))
     elif origin is tuple:
@@ -482,6 +484,12 @@ def _scalar_fields(annotation: Any, prefix: tuple[Any, ...]) -> Iterator[tuple[t
             yield from _scalar_fields(item, (*prefix, i))
     elif origin is Literal or annotation in (str, int, float, bool):
         yield prefix, annotation, None
+
+
+def _is_kind(member: Any) -> bool:
+    return (
+        isinstance(member, type) and issubclass(member, BaseModel) and "kind" in member.model_fields
+    )
 
 
 def _strip(annotation: Any) -> Any:
@@ -587,6 +595,8 @@ def wrong_values(scalar: Any) -> st.SearchStrategy[Any]:
         return numbers_as_text | st.booleans() | containers
     if scalar is bool:
         return st.sampled_from(["true", "false", "yes", "1"]) | st.integers(0, 1) | containers
+    if get_origin(scalar) in (Union, types.UnionType):  # what no member takes
+        return floats | st.dictionaries(st.sampled_from("abc"), ints, min_size=1, max_size=2)
     return ints | floats | st.booleans() | containers  # a string, or a choice among strings
 
 
