@@ -61,6 +61,16 @@ packs."""
 PACKED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 """model_types the engine decodes through its written-out (and packable) Llama step."""
 
+# The chunked vocabulary head, duplicated here because the planner never imports torch: a unit
+# test checks these against rollout.runtime.logprobs.CHUNKED_HEAD_MODEL_TYPES and
+# rollout.algorithms.chunked_head.DEFAULT_CHUNK_BYTES.
+CHUNKED_HEAD_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "smollm3", "gemma"}
+)
+"""rollout.runtime.logprobs.CHUNKED_HEAD_MODEL_TYPES."""
+CHUNK_BYTES = 64 * 1024**2
+"""rollout.algorithms.chunked_head.DEFAULT_CHUNK_BYTES: one chunk's float32 logits."""
+
 # Per sequence, sampling keeps three float32 [vocab] rows: the logits, their exponentials and the
 # running sum it draws from (rollout.engines.sampling.sample_tokens).
 _SAMPLING_ROWS = 3
@@ -294,10 +304,8 @@ def _process_items(
     items: dict[str, int] = defaultdict(int)
     trains = "learner" in roles
     if trains:
-        items["weights"] += params * width
-        items["gradients"] += params * width
-        # AdamW keeps two fp32 moments, plus an fp32 master copy when training in half precision.
-        items["optimizer"] += params * (8 if width == 4 else 12)
+        for name, size in _trained_model_bytes(params, width, derived.precision).items():
+            items[name] += size
         items["activations"] += _activation_bytes(config, model, derived, width)
     if "actor" in roles and shape is not None and shape.engine == "hf":
         if not trains:  # a colocated hf actor generates with the learner's own weights
@@ -308,12 +316,32 @@ def _process_items(
     if "reference" in roles and keeps_reference_model(config):
         items["reference_weights"] += params * width
     if "critic" in roles:
-        items["critic"] += params * (width * 2 + (8 if width == 4 else 12))
+        items["critic"] += sum(_trained_model_bytes(params, width, derived.precision).values())
     return {k: v for k, v in items.items() if v}
+
+
+def _trained_model_bytes(params: int, width: int, precision: str) -> dict[str, int]:
+    """What training a model of `params` parameters of `width` bytes holds, by item, under
+    derived.precision (rollout.runtime.precision)."""
+    items = {"weights": params * width, "gradients": params * width}
+    if precision == "master_weights":
+        # float32 moments and the float32 copy of every weight, beside the low-precision ones.
+        items["optimizer"] = params * 8
+        items["master_weights"] = params * 4
+    else:
+        # torch's AdamW keeps its two moments in the parameters' dtype.
+        items["optimizer"] = params * 2 * width
+    if precision == "autocast":
+        # Autocast caches a bfloat16 copy of each weight for the forward, and the backward
+        # keeps it: the float32 weights plus half their size again.
+        items["autocast_weights"] = params * 2
+    return items
 
 
 def _activation_bytes(config: RunConfig, model: ModelFacts, derived: Derived, width: int) -> int:
     tokens = derived.micro_batch_size * derived.max_sequence_length
+    if derived.precision == "autocast":
+        width = 2  # the forward's activations are bfloat16
     layers = 1 if config.model.gradient_checkpointing else model.num_layers
     blocks = tokens * layers * model.hidden_size * _ACTIVATION_FACTOR * width // 2
     attention = (
@@ -321,9 +349,18 @@ def _activation_bytes(config: RunConfig, model: ModelFacts, derived: Derived, wi
         * width
         * layers
     )
-    # Logits and their log-softmax are kept in fp32 for a stable loss.
-    logits = tokens * model.vocab_size * 4 * 2
-    return blocks + attention + logits
+    return blocks + attention + _logit_bytes(model, tokens)
+
+
+def _logit_bytes(model: ModelFacts, tokens: int) -> int:
+    """The vocabulary logits of a training step. The chunked head (rollout.runtime.logprobs)
+    holds about three float32 chunks at a time (logits, probabilities, their gradient) and a
+    float32 gradient of the head's weight; the full-logits route keeps the float32 logits and
+    the copy autograd saves for the backward."""
+    full = tokens * model.vocab_size * 4
+    if model.model_type not in CHUNKED_HEAD_MODEL_TYPES:
+        return full * 2
+    return min(full, CHUNK_BYTES) * 3 + model.vocab_size * model.hidden_size * 4
 
 
 def _capacity(device: str, hardware: HardwareFacts) -> int:
@@ -370,6 +407,10 @@ _REMEDIES = {
     "packed_weights": 'use model.dtype = "bfloat16" (the hf engine packs float32 weights only) '
     "or a smaller model",
     "optimizer": 'use model.dtype = "bfloat16" or a smaller model',
+    "master_weights": 'use model.precision = "none" (bfloat16 updates then round away below a '
+    "weight's resolution) or a smaller model",
+    "autocast_weights": 'use model.precision = "master_weights" (bfloat16 weights) or a smaller '
+    "model",
     "weights": 'use model.dtype = "bfloat16" or a smaller model',
     "gradients": 'use model.dtype = "bfloat16" or a smaller model',
     "reference_weights": 'use algorithm.reference = "cached" (DPO, IPO, KTO) or set '
