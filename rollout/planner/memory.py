@@ -68,7 +68,7 @@ CHUNKED_HEAD_MODEL_TYPES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "smollm3", "gemma"}
 )
 """rollout.runtime.logprobs.CHUNKED_HEAD_MODEL_TYPES."""
-CHUNK_BYTES = 64 * 1024**2
+CHUNK_BYTES = 256 * 1024**2
 """rollout.algorithms.chunked_head.DEFAULT_CHUNK_BYTES: one chunk's float32 logits."""
 
 # Per sequence, sampling keeps three float32 [vocab] rows: the logits, their exponentials and the
@@ -354,13 +354,14 @@ def _activation_bytes(config: RunConfig, model: ModelFacts, derived: Derived, wi
 
 def _logit_bytes(model: ModelFacts, tokens: int) -> int:
     """The vocabulary logits of a training step. The chunked head (rollout.runtime.logprobs)
-    holds about three float32 chunks at a time (logits, probabilities, their gradient) and a
-    float32 gradient of the head's weight; the full-logits route keeps the float32 logits and
-    the copy autograd saves for the backward."""
+    holds two float32 chunks at a time (the logits and their probabilities in the forward, the
+    logits and their gradient, made in place, in the backward) and a float32 gradient of the
+    head's weight; the full-logits route keeps the float32 logits and the copy autograd saves
+    for the backward."""
     full = tokens * model.vocab_size * 4
     if model.model_type not in CHUNKED_HEAD_MODEL_TYPES:
         return full * 2
-    return min(full, CHUNK_BYTES) * 3 + model.vocab_size * model.hidden_size * 4
+    return min(full, CHUNK_BYTES) * 2 + model.vocab_size * model.hidden_size * 4
 
 
 def _capacity(device: str, hardware: HardwareFacts) -> int:

@@ -115,7 +115,7 @@ def test_the_backward_holds_no_full_logits():
 
 
 def test_chunk_tokens_follows_the_vocabulary():
-    assert chunk_tokens(49_152) == 341  # 64 MiB of float32 logits
+    assert chunk_tokens(49_152) == 1365  # 256 MiB of float32 logits
     assert chunk_tokens(10**9) == 1
 
 
