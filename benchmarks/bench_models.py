@@ -109,6 +109,13 @@ def resolve_dtype(dtype: str | None, device: str) -> str:
     return dtype or ("bfloat16" if device == "cuda" else "float32")
 
 
+def rollout_precision(precision: str, dtype: str) -> dict[str, str]:
+    """rollout's [model] keys for --precision: autocast runs over float32 weights."""
+    if precision == "autocast":
+        return {"precision": precision, "dtype": "float32"}
+    return {"precision": precision, "dtype": dtype}
+
+
 def resolve_model(model: str | None, device: str, *, never_ends: bool = True) -> ModelChoice:
     """--model's value (None: smollm2 on cpu, llama-135m on cuda) as a directory to load."""
     name = model or (SMOLLM2 if device == "cpu" else "llama-135m")
@@ -127,7 +134,7 @@ def resolve_model(model: str | None, device: str, *, never_ends: bool = True) ->
 
 
 def add_model_options(parser: Any) -> None:
-    """--model, --device and --dtype, as every benchmark takes them."""
+    """--model, --device, --dtype and --precision, as every benchmark takes them."""
     parser.add_argument(
         "--model",
         default=None,
@@ -144,6 +151,13 @@ def add_model_options(parser: Any) -> None:
         choices=["float32", "bfloat16"],
         default=None,
         help="default: bfloat16 on cuda, float32 on cpu",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=["auto", "none", "autocast", "master_weights"],
+        default="auto",
+        help="rollout's model.precision (auto: master_weights for bfloat16, none for float32); "
+        "autocast trains rollout's float32 weights under bfloat16 autocast, as TRL's bf16 does",
     )
 
 

@@ -45,6 +45,7 @@ from bench_models import (
     resolve_device,
     resolve_dtype,
     resolve_model,
+    rollout_precision,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +63,10 @@ CHILD_ENV = {
     "TRANSFORMERS_VERBOSITY": "error",
     "TOKENIZERS_PARALLELISM": "false",
 }
-ROLLOUT_METRICS = ("perf/step_s", "perf/generate_s", "perf/generated_tokens")
+ROLLOUT_PHASES = ("perf/score_s", "perf/learn_s", "perf/sync_s", "perf/cuda_alloc_retries")
+"""rollout's other phases of a step and the CUDA allocator's retries (rollout.runtime.online.
+trainer), recorded per step in the results, so that a slow step names its phase."""
+ROLLOUT_METRICS = ("perf/step_s", "perf/generate_s", "perf/generated_tokens", *ROLLOUT_PHASES)
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,8 @@ class Side:
     generate_s: list[float]
     generated_tokens: list[float]
     process: ProcessStats
+    phases: dict[str, list[float]] | None = None
+    """rollout only: ROLLOUT_PHASES, per timed step."""
 
 
 # --- the job -------------------------------------------------------------------------------------
@@ -140,7 +146,7 @@ def build_job(args: argparse.Namespace) -> tuple[Job, dict[str, Any]]:
     )
     job = Job(
         model_dir=model.directory,
-        rollout_model={**model.rollout_model, "dtype": dtype},
+        rollout_model={**model.rollout_model, **rollout_precision(args.precision, dtype)},
         device=device,
         dtype=dtype,
         reward=RANDOM_REWARD if model.random else "numeric_match",
@@ -259,6 +265,7 @@ def run_rollout(job: Job, workdir: Path, log: Path) -> Side:
         generate_s=timed["perf/generate_s"],
         generated_tokens=timed["perf/generated_tokens"],
         process=process,
+        phases={name: timed[name] for name in ROLLOUT_PHASES if timed[name]},
     )
 
 
@@ -505,6 +512,8 @@ def summarize(side: Side, completions_per_step: int) -> dict[str, Any]:
         "train_s_mean": statistics.mean(side.step_s) - statistics.mean(side.generate_s),
         **asdict(side.process),
         "step_s": side.step_s,
+        "generate_s": side.generate_s,
+        **({"phases": side.phases} if side.phases else {}),
     }
 
 

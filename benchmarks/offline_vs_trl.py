@@ -48,6 +48,7 @@ from bench_models import (
     resolve_device,
     resolve_dtype,
     resolve_model,
+    rollout_precision,
 )
 from grpo_vs_trl import (
     THREADS,
@@ -507,7 +508,7 @@ def main(argv: list[str] | None = None) -> None:
             job = Job(
                 kind,
                 model_dir,
-                {**model.rollout_model, "dtype": dtype},
+                {**model.rollout_model, **rollout_precision(args.precision, dtype)},
                 device,
                 dtype,
                 str(data),

@@ -595,7 +595,17 @@ class ModelSection(TypedDict):
 
     Default: 'auto'."""
     dtype: NotRequired[Literal["auto", "float32", "bfloat16", "float16"]]
-    """Training and inference precision. 'auto' is float32 on CPU and bfloat16 on GPU.
+    """The weights' dtype, for training and generation. 'auto' is float32 on CPU and bfloat16 on
+    GPU, float32 with precision = 'autocast' and bfloat16 with precision = 'master_weights'.
+    float16 is refused for training (it needs loss scaling).
+
+    Default: 'auto'."""
+    precision: NotRequired[Literal["auto", "none", "autocast", "master_weights"]]
+    """How training handles low precision. 'none': weights, gradients and AdamW state all in
+    dtype (in bfloat16, updates below a weight's resolution are lost). 'autocast': float32
+    weights and optimizer, forward passes autocast to bfloat16. 'master_weights': bfloat16
+    weights, and float32 copies of them in the optimizer that the updates accumulate in (4
+    more bytes a parameter). 'auto': master_weights for bfloat16 weights, none for float32.
 
     Default: 'auto'."""
     tokenizer: NotRequired[str | None]

@@ -298,7 +298,7 @@ def grpo_loss(
     total_tokens: int | None = None,
     max_new_tokens: int | None = None,
     num_sequences: int | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped policy loss plus kl_coef * KL to the reference, per token, then aggregated.
 
     logprobs, old_logprobs, mask: [B, T]; advantages: [B]; ref_logprobs (needed when kl_coef > 0)
@@ -306,7 +306,9 @@ def grpo_loss(
 
     Returns the loss (a scalar with grad) and metrics: token means over these rows of
     policy_loss, ratio_mean, clip_fraction (with its _low and _high parts), approx_kl (old -> new),
-    and kl (when ref_logprobs is given) and entropy (when given).
+    and kl (when ref_logprobs is given) and entropy (when given). The metrics are detached 0-dim
+    float32 tensors on the loss's device: a caller sums them over micro batches where they are
+    and reads them once (read_metrics), so the step never waits for the device to report them.
     """
     if kl_coef and ref_logprobs is None:
         raise ValueError(f"kl_coef is {kl_coef} but no ref_logprobs were given")
@@ -336,10 +338,20 @@ def grpo_loss(
     return loss, _token_means(terms, mask)
 
 
-def _token_means(terms: Mapping[str, Tensor], mask: Tensor) -> dict[str, float]:
-    # One stacked tensor, so reading the metrics costs one device-to-host copy, not one each.
-    means = torch.stack([masked_mean(term.float(), mask) for term in terms.values()])
-    return dict(zip(terms, means.tolist(), strict=True))
+def _token_means(terms: Mapping[str, Tensor], mask: Tensor) -> dict[str, Tensor]:
+    means = torch.stack([masked_mean(term.float(), mask) for term in terms.values()]).detach()
+    return dict(zip(terms, means.unbind(), strict=True))
+
+
+def read_metrics(metrics: Mapping[str, Tensor | float]) -> dict[str, float]:
+    """Tensor metrics (0-dim, on any one device) and plain numbers -> numbers, with one
+    device-to-host copy for all the tensors: the one wait for the device a caller pays."""
+    tensors = {name: value for name, value in metrics.items() if isinstance(value, Tensor)}
+    read = dict(metrics)
+    if tensors:
+        values = torch.stack([t.detach().float() for t in tensors.values()]).tolist()
+        read.update(zip(tensors, values, strict=True))
+    return {name: float(value) for name, value in read.items()}
 
 
 def _choose(registry: Mapping[str, _Entry], name: str, what: str) -> _Entry:
@@ -359,14 +371,14 @@ def value_loss(
     mask: Tensor,
     *,
     clip: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO's value loss, per token then token-mean: 0.5 * (V - R)^2, or with clip,
     0.5 * max((V - R)^2, (V_clipped - R)^2), V_clipped = old_V + clamp(V - old_V, -clip, clip).
 
     values: [B, T] from the critic being trained (with grad); old_values: [B, T] the critic's
     values when the batch was scored; returns: [B, T] targets. Returns the scalar loss and
-    metrics: value_loss, value_mean, returns_mean, value_clip_fraction (the share of tokens whose
-    clipped error was the larger one).
+    metrics (0-dim tensors, as grpo_loss's): value_loss, value_mean, returns_mean,
+    value_clip_fraction (the share of tokens whose clipped error was the larger one).
     """
     error = (values - returns).square()
     if clip is None:

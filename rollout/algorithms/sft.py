@@ -7,6 +7,7 @@ between packed samples).
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -41,3 +42,21 @@ def sft_loss(
     )
     loss = total / divisor
     return loss, {"loss": float(loss.detach()), "tokens": float(count)}
+
+
+def sft_loss_from_logprobs(
+    logprobs: Tensor, mask: Tensor, *, num_tokens: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """sft_loss from the log-probs of the labels (as a chunked head gives them, without logits).
+
+    logprobs: [B, T] float32 log-prob of each position's label (any value where mask is 0);
+    mask: [B, T] bool, True where the position has a label. Returns the summed negative log-prob
+    of the labelled positions divided by num_tokens (> 0), and its value as a detached 0-dim
+    tensor under "loss" (read it with the step's other metrics).
+    """
+    if logprobs.shape != mask.shape:
+        raise ValueError(f"logprobs {tuple(logprobs.shape)} and mask {tuple(mask.shape)} differ")
+    if num_tokens <= 0:
+        raise ValueError(f"num_tokens must be > 0, got {num_tokens}")
+    loss = -torch.where(mask, logprobs.float(), 0.0).sum() / num_tokens
+    return loss, {"loss": loss.detach()}

@@ -33,6 +33,7 @@ def is_revision(value: str) -> bool:
 
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Precision = Literal["auto", "none", "autocast", "master_weights"]
 
 LORA_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 """A module's own name inside a decoder layer (q_proj), not a dotted path (checked in rules)."""
@@ -121,7 +122,18 @@ class ModelSection(ConfigModel):
     )
     dtype: Dtype = Field(
         default="auto",
-        description="Training and inference precision. 'auto' is float32 on CPU and bfloat16 on GPU.",
+        description="The weights' dtype, for training and generation. 'auto' is float32 on CPU "
+        "and bfloat16 on GPU, float32 with precision = 'autocast' and bfloat16 with precision = "
+        "'master_weights'. float16 is refused for training (it needs loss scaling).",
+    )
+    precision: Precision = Field(
+        default="auto",
+        description="How training handles low precision. 'none': weights, gradients and AdamW "
+        "state all in dtype (in bfloat16, updates below a weight's resolution are lost). "
+        "'autocast': float32 weights and optimizer, forward passes autocast to bfloat16. "
+        "'master_weights': bfloat16 weights, and float32 copies of them in the optimizer that "
+        "the updates accumulate in (4 more bytes a parameter). 'auto': master_weights for "
+        "bfloat16 weights, none for float32.",
     )
     tokenizer: Location | None = Field(
         default=None,

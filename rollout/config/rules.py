@@ -278,6 +278,44 @@ def optimizer_is_sane(config: RunConfig) -> Iterator[Issue]:
         )
 
 
+@rule("model")
+def precision_fits_dtype(config: RunConfig) -> Iterator[Issue]:
+    model = config.model
+    if model.dtype == "float16":
+        yield Issue(
+            "model.dtype",
+            "float16 training needs loss scaling against gradients that underflow, which rollout "
+            "does not do",
+            value="float16",
+            hint='use "bfloat16" (same memory, float32\'s range)',
+        )
+    elif model.precision == "autocast" and model.dtype == "bfloat16":
+        yield Issue(
+            "model.precision",
+            "autocast runs bfloat16 forward passes over float32 weights, but model.dtype is "
+            "bfloat16",
+            value="autocast",
+            hint='set model.dtype = "float32" (or "auto"), or use precision = "master_weights" '
+            "to keep bfloat16 weights",
+        )
+    elif model.precision == "master_weights" and model.dtype == "float32":
+        yield Issue(
+            "model.precision",
+            "master_weights keeps float32 copies of bfloat16 weights, but model.dtype is float32: "
+            "its weights are their own float32 copy",
+            value="master_weights",
+            hint='set model.dtype = "bfloat16" (or "auto"), or use precision = "autocast" or "none"',
+        )
+    elif model.precision == "master_weights" and model.lora is not None:
+        yield Issue(
+            "model.precision",
+            "master_weights keeps float32 copies of bfloat16 weights, but with [model.lora] only "
+            "the adapters train, and peft keeps them in float32 already",
+            value="master_weights",
+            hint='use precision = "auto" (or "none"): the adapters\' updates do not round away',
+        )
+
+
 def kl_in_reward(config: RunConfig) -> bool:
     """Whether the KL to the reference goes into the token rewards (as the per-token log-ratio)
     rather than into the loss: REINFORCE++ always, PPO with kl_penalty = "reward"."""

@@ -23,6 +23,9 @@ class CompletionBatch:
     mask: torch.Tensor
     tokens: int
     """Real (not padding) tokens in the batch."""
+    rows: torch.Tensor
+    """[N] int64 indices of the completion tokens in the flattened [B * K] layout, on the CPU
+    (computed where the mask was made: reading them never waits for the device)."""
 
     @property
     def logits_to_keep(self) -> int:
@@ -59,4 +62,5 @@ def pad_completions(
         targets=input_ids[:, length - longest :].to(device),
         mask=mask.to(device),
         tokens=sum(len(r) for r in rows),
+        rows=mask.flatten().nonzero().squeeze(1),
     )

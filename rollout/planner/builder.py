@@ -347,16 +347,8 @@ def _resolve_device(config: RunConfig, hardware: HardwareFacts, issues: list[Iss
 
 
 def _device_issues(config: RunConfig, device: str | None) -> list[Issue]:
+    # float16 is refused for training on any device (rules.precision_fits_dtype).
     issues = []
-    if device == "cpu" and config.model.dtype == "float16":
-        issues.append(
-            Issue(
-                "model.dtype",
-                "float16 is not supported for training on CPU",
-                value="float16",
-                hint='use "float32" or "bfloat16"',
-            )
-        )
     uses_generation = config.algorithm.kind in ONLINE_KINDS
     if uses_generation and config.generation.engine == "vllm":
         if device != "cuda":
@@ -583,6 +575,7 @@ def _derive(
     lora = config.model.lora
     return Derived(
         dtype=_dtype(config, graph.device),
+        precision=_precision(config, graph.device),
         run_dir=str(run_dir),
         store=_store(config),
         artifacts=_artifacts(config, run_dir),
@@ -608,9 +601,25 @@ def _derive(
 
 
 def _dtype(config: RunConfig, device: str) -> Any:
+    """The weights' dtype: as set, else what the precision needs, else the device's usual."""
+    precision = config.model.precision
     if config.model.dtype != "auto":
         return config.model.dtype
+    if precision == "autocast":
+        return "float32"
+    if precision == "master_weights":
+        return "bfloat16"
     return "float32" if device == "cpu" else "bfloat16"
+
+
+def _precision(config: RunConfig, device: str) -> Any:
+    """model.precision with "auto" resolved: float32 copies in the optimizer for bfloat16
+    weights (their updates would round away otherwise), nothing for float32 ones or LoRA."""
+    if config.model.precision != "auto":
+        return config.model.precision
+    if config.model.lora is not None:
+        return "none"  # only the adapters train, and peft keeps them in float32
+    return "master_weights" if _dtype(config, device) == "bfloat16" else "none"
 
 
 def _store(config: RunConfig) -> str:

@@ -146,6 +146,10 @@ class Derived(Frozen):
     """Values computed from the config by the builder (the only place they are computed)."""
 
     dtype: Literal["float32", "bfloat16", "float16"]
+    precision: Literal["none", "autocast", "master_weights"] = Field(
+        description="model.precision resolved: how the learner keeps weights and computes "
+        "(rollout.runtime.precision).",
+    )
     run_dir: DirectPath
     store: str = Field(description="Run store location (sqlite path or a DSN reference).")
     artifacts: str

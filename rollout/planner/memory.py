@@ -66,6 +66,16 @@ packs."""
 PACKED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 """model_types the engine decodes through its written-out (and packable) Llama step."""
 
+# The chunked vocabulary head, duplicated here because the planner never imports torch: a unit
+# test checks these against rollout.runtime.logprobs.CHUNKED_HEAD_MODEL_TYPES and
+# rollout.algorithms.chunked_head.DEFAULT_CHUNK_BYTES.
+CHUNKED_HEAD_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "smollm3", "gemma"}
+)
+"""rollout.runtime.logprobs.CHUNKED_HEAD_MODEL_TYPES."""
+CHUNK_BYTES = 256 * 1024**2
+"""rollout.algorithms.chunked_head.DEFAULT_CHUNK_BYTES: one chunk's float32 logits."""
+
 # Per sequence, sampling keeps three float32 [vocab] rows: the logits, their exponentials and the
 # running sum it draws from (rollout.engines.sampling.sample_tokens).
 _SAMPLING_ROWS = 3
@@ -303,21 +313,13 @@ def _process_items(
 ) -> dict[str, int]:
     width = BYTES_PER_PARAM[derived.dtype]
     params = model.num_parameters
-    # With LoRA only the adapters train: they alone have gradients and optimizer state. peft
-    # keeps adapters in float32 whatever the model's dtype (its autocast_adapter_dtype), so
-    # they need no master copy either.
-    lora = config.model.lora is not None
-    adapters = derived.adapter_parameters or 0
-    trained, trained_width = (adapters, 4) if lora else (params, width)
-    # AdamW keeps two fp32 moments, plus an fp32 master copy when training in half precision.
-    optimizer_bytes = 8 if trained_width == 4 else 12
+    lora_adapters = (derived.adapter_parameters or 0) if config.model.lora is not None else None
     items: dict[str, int] = defaultdict(int)
     trains = "learner" in roles
     if trains:
-        items["weights"] += params * width
-        items["adapter_weights"] += adapters * 4
-        items["gradients"] += trained * trained_width
-        items["optimizer"] += trained * optimizer_bytes
+        trained = _trained_model_bytes(params, width, derived.precision, lora_adapters)
+        for name, size in trained.items():
+            items[name] += size
         items["activations"] += _activation_bytes(config, model, derived, width)
     if "actor" in roles and shape is not None and shape.engine == "hf":
         if not trains:  # a colocated hf actor generates with the learner's own weights
@@ -329,14 +331,48 @@ def _process_items(
         items["reference_weights"] += params * width
     if "critic" in roles:
         # A copy of the trunk, trained whole, or with LoRA frozen under adapters of its own.
-        items["critic"] += (
-            params * width + adapters * 4 + trained * (trained_width + optimizer_bytes)
-        )
+        critic = _trained_model_bytes(params, width, derived.precision, lora_adapters)
+        items["critic"] += sum(critic.values())
     return {k: v for k, v in items.items() if v}
+
+
+def _trained_model_bytes(
+    params: int, width: int, precision: str, lora_adapters: int | None
+) -> dict[str, int]:
+    """What training a model of `params` parameters of `width` bytes holds, by item, under
+    derived.precision (rollout.runtime.precision), with `lora_adapters` LoRA parameters when
+    only they train."""
+    if lora_adapters is not None:
+        # The base is frozen; peft keeps the adapters in float32 whatever the model's dtype
+        # (its autocast_adapter_dtype): their gradients and two moments are float32 too.
+        items = {
+            "weights": params * width,
+            "adapter_weights": lora_adapters * 4,
+            "gradients": lora_adapters * 4,
+            "optimizer": lora_adapters * 8,
+        }
+        if precision == "autocast":
+            items["autocast_weights"] = params * 2
+        return items
+    items = {"weights": params * width, "gradients": params * width}
+    if precision == "master_weights":
+        # float32 moments and the float32 copy of every weight, beside the low-precision ones.
+        items["optimizer"] = params * 8
+        items["master_weights"] = params * 4
+    else:
+        # torch's AdamW keeps its two moments in the parameters' dtype.
+        items["optimizer"] = params * 2 * width
+    if precision == "autocast":
+        # Autocast caches a bfloat16 copy of each weight for the forward, and the backward
+        # keeps it: the float32 weights plus half their size again.
+        items["autocast_weights"] = params * 2
+    return items
 
 
 def _activation_bytes(config: RunConfig, model: ModelFacts, derived: Derived, width: int) -> int:
     tokens = derived.micro_batch_size * derived.max_sequence_length
+    if derived.precision == "autocast":
+        width = 2  # the forward's activations are bfloat16
     layers = 1 if config.model.gradient_checkpointing else model.num_layers
     blocks = tokens * layers * model.hidden_size * _ACTIVATION_FACTOR * width // 2
     attention = (
@@ -344,9 +380,19 @@ def _activation_bytes(config: RunConfig, model: ModelFacts, derived: Derived, wi
         * width
         * layers
     )
-    # Logits and their log-softmax are kept in fp32 for a stable loss.
-    logits = tokens * model.vocab_size * 4 * 2
-    return blocks + attention + logits
+    return blocks + attention + _logit_bytes(model, tokens)
+
+
+def _logit_bytes(model: ModelFacts, tokens: int) -> int:
+    """The vocabulary logits of a training step. The chunked head (rollout.runtime.logprobs)
+    holds two float32 chunks at a time (the logits and their probabilities in the forward, the
+    logits and their gradient, made in place, in the backward) and a float32 gradient of the
+    head's weight; the full-logits route keeps the float32 logits and the copy autograd saves
+    for the backward."""
+    full = tokens * model.vocab_size * 4
+    if model.model_type not in CHUNKED_HEAD_MODEL_TYPES:
+        return full * 2
+    return min(full, CHUNK_BYTES) * 2 + model.vocab_size * model.hidden_size * 4
 
 
 def _capacity(device: str, hardware: HardwareFacts) -> int:
@@ -393,6 +439,10 @@ _REMEDIES = {
     "packed_weights": 'use model.dtype = "bfloat16" (the hf engine packs float32 weights only) '
     "or a smaller model",
     "optimizer": 'train LoRA adapters ([model.lora]), use model.dtype = "bfloat16" or a smaller '
+    "model",
+    "master_weights": 'use model.precision = "none" (bfloat16 updates then round away below a '
+    "weight's resolution), train LoRA adapters ([model.lora]) or use a smaller model",
+    "autocast_weights": 'use model.precision = "master_weights" (bfloat16 weights) or a smaller '
     "model",
     "weights": 'use model.dtype = "bfloat16" or a smaller model',
     "adapter_weights": "lower model.lora.rank or name fewer model.lora.target_modules",

@@ -12,26 +12,29 @@ import torch
 from rollout.harness.reward_contract import RewardFunction, describe
 from rollout.planner.definition import ModelRewardRecord, Plan, RewardRecord
 from rollout.plugins.resolve import load_plugin
+from rollout.runtime.precision import MasterWeightAdamW
 
 
 def build_optimizer(
     model: torch.nn.Module,
     algo: Any,
     *,
+    precision: str,
     lr: float | None = None,
     extra: torch.nn.Module | None = None,
     extra_lr: float | None = None,
-) -> torch.optim.AdamW:
+) -> torch.optim.Optimizer:
     """AdamW over `model`'s trainable parameters at `lr` (or the algorithm's), and `extra`'s (a
-    value head trained with the policy) in a group of their own at `extra_lr` (or the same)."""
+    value head trained with the policy) in a group of their own at `extra_lr` (or the same).
+    With precision "master_weights" (plan.derived.precision), AdamW over float32 copies of them
+    (rollout.runtime.precision.MasterWeightAdamW)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups: list[dict[str, Any]] = [{"params": params}]
     if extra is not None:
         extra_params = [p for p in extra.parameters() if p.requires_grad]
         params = params + extra_params
         groups.append({"params": extra_params} | ({} if extra_lr is None else {"lr": extra_lr}))
-    return torch.optim.AdamW(
-        groups,
+    options = dict(
         lr=algo.lr if lr is None else lr,
         betas=tuple(algo.adam_betas),
         eps=algo.adam_eps,
@@ -40,6 +43,9 @@ def build_optimizer(
         # loop (0.09 s against 0.6 s a step for SmolLM2-135M) and without its temporaries.
         fused=_fusable(params),
     )
+    if precision == "master_weights":
+        return MasterWeightAdamW(groups, **options)
+    return torch.optim.AdamW(groups, **options)
 
 
 def _fusable(params: list[torch.Tensor]) -> bool:

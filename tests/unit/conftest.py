@@ -89,3 +89,25 @@ def offline_config(tmp_path: Path, kind: str, records=None, eval_records=None, *
         "cluster": {"device": "cpu"},
     }
     return write_toml(tmp_path / "run.toml", config)
+
+
+def learner_knobs(**changes: Any) -> Any:
+    """LearnerKnobs for unit tests: 8 completions in one micro batch, no KL, no clipping of the
+    gradient norm, temperature 1; `changes` override any of them."""
+    from rollout.runtime.online.learner import LearnerKnobs
+
+    values: dict[str, Any] = dict(
+        minibatch_size=8,
+        micro_batch_size=8,
+        update_epochs=1,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.2,
+        kl_coef=0.0,
+        kl_estimator="k3",
+        loss_aggregation="token_mean",
+        max_grad_norm=None,
+        temperature=1.0,
+        max_new_tokens=12,
+    )
+    values.update(changes)
+    return LearnerKnobs(**values)

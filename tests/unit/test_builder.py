@@ -149,9 +149,14 @@ def test_vllm_needs_cuda_and_the_package(config_file, base_config):
     assert "vllm" in issue.message
 
 
-def test_float16_on_cpu_is_refused(config_file, base_config):
+def test_float16_training_is_refused(config_file, base_config):
+    """On any device (rollout has no loss scaler): already by validate, so plan too."""
+    from rollout import ConfigError
+
     base_config["model"]["dtype"] = "float16"
-    assert "model.dtype" in issues_of(config_file, base_config)
+    with pytest.raises(ConfigError) as caught:
+        plan_of(config_file, base_config, GPU_BOX)
+    assert [issue.path for issue in caught.value.issues] == ["model.dtype"]
 
 
 def test_every_stage_reports_at_once(config_file, base_config):

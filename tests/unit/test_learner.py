@@ -4,32 +4,22 @@ accumulation changes nothing, and an update moves probability toward positive ad
 from __future__ import annotations
 
 import copy
+import inspect
+from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from rollout.engines.base import SamplingParams
 from rollout.engines.hf.engine import HfEngine
 from rollout.runtime.online.batches import RolloutBatch
 from rollout.runtime.online.learner import Learner, LearnerKnobs
+from tests.unit.conftest import learner_knobs
 
 
 def knobs(**changes) -> LearnerKnobs:
-    values = dict(
-        minibatch_size=8,
-        micro_batch_size=8,
-        update_epochs=1,
-        clip_ratio_low=0.2,
-        clip_ratio_high=0.2,
-        kl_coef=0.0,
-        kl_estimator="k3",
-        loss_aggregation="token_mean",
-        max_grad_norm=None,
-        temperature=1.0,
-        max_new_tokens=12,
-    )
-    values.update(changes)
-    return LearnerKnobs(**values)
+    return learner_knobs(**changes)
 
 
 def learner_for(model, settings: LearnerKnobs, pad_id: int, lr: float = 0.0) -> Learner:
@@ -123,7 +113,7 @@ def test_shared_prefix_forward_equals_the_plain_forward(tiny_llama, rollout_batc
     for shared in (False, True):
         model.zero_grad(set_to_none=True)
         if shared:
-            logprobs = shared_prefix_logprobs(
+            logprobs, _ = shared_prefix_logprobs(
                 model, rollout_batch, pad_token_id=pad_id, device="cpu", temperature=0.7
             )
         else:
@@ -165,7 +155,7 @@ def test_skipping_zero_advantage_rows_changes_no_update(
         settings = knobs(micro_batch_size=micro, loss_aggregation=mode)
         learner = learner_for(model, settings, tiny_llama.pad_token_id, lr=1.0)
         if not skip:  # the reference: every row computed
-            monkeypatch.setattr(learner, "_rows_with_gradient", lambda m: list(range(len(m))))
+            monkeypatch.setattr(learner, "_rows_with_gradient", lambda m, a: list(range(len(m))))
         metrics = learner.update(rollout_batch)
         assert metrics["skipped_fraction"] == (0.25 if skip else 0.0)
         updated.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
@@ -191,7 +181,7 @@ def test_a_batch_without_signal_still_steps_adamw_as_for_zero_gradients(tiny_lla
             device="cpu",
         )
         if not skip:
-            learner._rows_with_gradient = lambda m: list(range(len(m)))
+            learner._rows_with_gradient = lambda m, a: list(range(len(m)))
         learner.update(batch)
         updated.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     original = torch.cat([p.detach().flatten() for p in tiny_llama.model.parameters()])
@@ -231,3 +221,54 @@ def test_the_learner_reports_the_policy_entropy(tiny_llama, rollout_batch):
     trained = padded.completion_mask.clone()
     trained[6:] = False  # rows 6 and 7 have advantage 0: skipped
     assert metrics["entropy"] == pytest.approx(masked_mean(plain, trained).item(), rel=1e-5)
+
+
+class _DeviceReads(TorchFunctionMode):
+    """Counts the calls from rollout's code that copy a tensor's value to the host: on a GPU
+    each waits for every kernel queued before it. (transformers reads each forward's attention
+    mask once, to choose its attention kernel: not counted, not ours.)"""
+
+    READS: frozenset = frozenset(
+        {
+            torch.Tensor.item,
+            torch.Tensor.tolist,
+            torch.Tensor.__float__,
+            torch.Tensor.__int__,
+            torch.Tensor.__bool__,
+            torch.Tensor.cpu,
+            torch.Tensor.numpy,
+        }
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            caller = inspect.currentframe().f_back  # type: ignore[union-attr]
+            where = caller.f_code.co_filename if caller else ""
+            if "/rollout/" in where:
+                self.reads.append(f"{Path(where).name}:{caller.f_lineno} {func.__name__}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kl", [0.0, 0.1], ids=["no_reference", "kl"])
+def test_an_update_reads_the_device_as_often_with_more_micro_batches(tiny_llama, rollout_batch, kl):
+    """Metrics, the loss and the gradient norm stay on the device through the micro batches and
+    are read once at the end: the reads do not grow with the micro batches."""
+    reads = []
+    for micro in (8, 4, 2, 1):
+        model = copy.deepcopy(tiny_llama.model)
+        settings = knobs(micro_batch_size=micro, kl_coef=kl, max_grad_norm=1.0)
+        learner = learner_for(model, settings, tiny_llama.pad_token_id, lr=0.1)
+        if kl:
+            learner.reference = copy.deepcopy(tiny_llama.model).requires_grad_(False)
+        recorder = _DeviceReads()
+        with recorder:
+            metrics = learner.update(rollout_batch)
+        assert metrics["grad_norm"] > 0
+        reads.append(recorder.reads)
+    assert all(r == reads[0] for r in reads), reads
+    # The minibatch's advantages (host memory) and the metrics, each read once.
+    assert len(reads[0]) == 2, reads[0]

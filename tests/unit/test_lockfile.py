@@ -85,6 +85,7 @@ def build_plan(base: Path, reward: str = "numeric_match", **reward_settings: obj
         config=config,
         derived=Derived(
             dtype="float32",
+            precision="none",
             run_dir=str(base / "runs" / "run-20250101-000000-abcd"),
             store=str(base / "runs" / "rollout.db"),
             artifacts=str(base / "runs" / "artifacts"),

@@ -122,6 +122,19 @@ def test_combinations_that_cannot_work_are_refused(config_file, base_config, cha
     assert path in found and words in found[path], found
 
 
+def test_lora_trains_float32_adapters_so_it_takes_no_master_weights(config_file, base_config):
+    """peft keeps adapters in float32 over a bfloat16 base: 'auto' resolves to no master copy,
+    and asking for one is refused rather than accepted and run as a float32-over-float32 copy."""
+    config = copy.deepcopy(base_config)
+    config["model"]["lora"] = {}
+    config["model"]["dtype"] = "bfloat16"
+    assert build_plan(config_file(config)).derived.precision == "none"
+    config["model"]["precision"] = "master_weights"
+    with pytest.raises(ConfigError) as error:
+        build_plan(config_file(config))
+    assert "peft keeps them in float32" in problems(error)["model.precision"]
+
+
 def test_plan_refuses_lora_without_peft_and_names_the_install(
     config_file, base_config, monkeypatch
 ):
@@ -174,11 +187,14 @@ def test_lora_counts_gradients_and_optimizer_of_the_adapters_and_no_reference(
     # 1536+576): about 3.5% of the model's 134.5M parameters.
     assert adapters == 30 * 16 * (2 * 1152 + 2 * 768 + 3 * 2112)
     assert 0.03 < adapters / params < 0.04
-    # bfloat16 on cuda: the model's weights and (without LoRA) gradients take 2 bytes, AdamW
-    # 12 (moments and an fp32 master copy); peft keeps adapters in float32: 4, 4 and 8 bytes.
+    # bfloat16 on cuda: the model's weights and (without LoRA) gradients take 2 bytes, AdamW's
+    # moments 8 and its fp32 master copy 4 (precision "master_weights"); peft keeps adapters in
+    # float32: 4, 4 and 8 bytes, and no master copy.
     assert before.items["gradients"] == params * 2
     assert after.items["gradients"] == adapters * 4
-    assert before.items["optimizer"] == params * 12
+    assert before.items["optimizer"] == params * 8
+    assert before.items["master_weights"] == params * 4
+    assert "master_weights" not in after.items
     assert after.items["optimizer"] == adapters * 8
     assert after.items["adapter_weights"] == adapters * 4
     assert after.items["weights"] == before.items["weights"] == params * 2
@@ -214,7 +230,9 @@ def test_the_optimizer_steps_the_adapters_alone_and_the_base_never_moves(adapted
     from rollout.runtime.components import build_optimizer
 
     model = adapted.model
-    optimizer = build_optimizer(model, GrpoConfig(kind="grpo", lr=1e-2, weight_decay=0.1))
+    optimizer = build_optimizer(
+        model, GrpoConfig(kind="grpo", lr=1e-2, weight_decay=0.1), precision="none"
+    )
     stepped = [p for group in optimizer.param_groups for p in group["params"]]
     assert {id(p) for p in stepped} == {id(p) for p in adapted.parameters()}
     assert all(".lora_" in name for name, p in model.named_parameters() if p.requires_grad)

@@ -32,6 +32,9 @@ class TokenBatch:
     position_ids: torch.Tensor | None
     row_tokens: list[int]
     """Real (not padding) tokens in each row."""
+    target_rows: torch.Tensor
+    """[N] int64 indices of the labelled positions in the flattened [B * L] layout, on the CPU
+    (made with the labels: reading them never waits for the device)."""
 
     @property
     def tokens(self) -> int:
@@ -39,7 +42,7 @@ class TokenBatch:
 
     @property
     def num_targets(self) -> int:
-        return int((self.labels != IGNORE).sum())
+        return len(self.target_rows)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -47,12 +50,15 @@ class TokenBatch:
     def rows(self, start: int, stop: int) -> TokenBatch:
         """Rows start..stop-1 (a micro batch)."""
         part = slice(start, stop)
+        width = self.input_ids.shape[1]
+        inside = (self.target_rows >= start * width) & (self.target_rows < stop * width)
         return TokenBatch(
             input_ids=self.input_ids[part],
             labels=self.labels[part],
             attention_mask=None if self.attention_mask is None else self.attention_mask[part],
             position_ids=None if self.position_ids is None else self.position_ids[part],
             row_tokens=self.row_tokens[part],
+            target_rows=self.target_rows[inside] - start * width,
         )
 
 
@@ -82,6 +88,7 @@ def pad_sequences(
         attention_mask=attention.to(device) if padded else None,
         position_ids=None,
         row_tokens=[s.length for s in samples],
+        target_rows=_target_rows(labels),
     )
 
 
@@ -127,4 +134,10 @@ def pack_sequences(
         attention_mask=None,
         position_ids=positions.to(device),
         row_tokens=[max_length - free for free in room],
+        target_rows=_target_rows(labels),
     )
+
+
+def _target_rows(labels: torch.Tensor) -> torch.Tensor:
+    """[N] flat indices of the labelled positions of CPU `labels` [B, L]."""
+    return (labels != IGNORE).flatten().nonzero().squeeze(1)

@@ -29,6 +29,7 @@ from rollout.runtime.data import PromptStream
 from rollout.runtime.offline.data import Split, load_splits
 from rollout.runtime.offline.objectives import OBJECTIVES, Context, Objective, build_reward_model
 from rollout.runtime.offline.reference import build_reference
+from rollout.runtime.precision import autocast, autocast_dtype
 from rollout.runtime.recording import record_metrics
 from rollout.runtime.run_state import RunState
 from rollout.seeds import derive_seed
@@ -105,13 +106,16 @@ def _optimizer_step(ctx: WorkerContext, run: Run, indices: list[int]) -> tuple[d
     """One optimizer step over this rank's records; the metrics summed over micro batches."""
     run.model.train()
     run.optimizer.zero_grad(set_to_none=True)
-    step = run.objective.step_batches(
-        run.model, run.train, indices, ctx.plan.derived.micro_batch_size
-    )
+    forward = autocast(ctx.device, autocast_dtype(ctx.plan.derived.precision))
+    with forward:
+        step = run.objective.step_batches(
+            run.model, run.train, indices, ctx.plan.derived.micro_batch_size
+        )
     totals: dict[str, float] = defaultdict(float)
     tokens = step.tokens
     for micro in step.micros:
-        loss, metrics, micro_tokens = run.objective.loss(run.model, run.train, micro)
+        with forward:
+            loss, metrics, micro_tokens = run.objective.loss(run.model, run.train, micro)
         loss.backward()
         tokens += micro_tokens
         for name, value in metrics.items():
@@ -124,7 +128,7 @@ def _optimizer_step(ctx: WorkerContext, run: Run, indices: list[int]) -> tuple[d
     norm = torch.nn.utils.clip_grad_norm_(params, limit if limit is not None else float("inf"))
     run.optimizer.step()
     run.scheduler.step()
-    totals["train/grad_norm"] = float(norm)
+    totals["train/grad_norm"] = float(norm)  # read after the step is queued, not before it
     totals["train/lr"] = run.scheduler.get_last_lr()[0]
     return dict(totals), tokens
 
@@ -134,7 +138,8 @@ def _evaluate(ctx: WorkerContext, run: Run) -> dict[str, float]:
     assert run.eval is not None
     run.model.eval()
     started = time.perf_counter()
-    metrics = run.objective.evaluate(run.model, run.eval, ctx.plan.derived.micro_batch_size)
+    with autocast(ctx.device, autocast_dtype(ctx.plan.derived.precision)):
+        metrics = run.objective.evaluate(run.model, run.eval, ctx.plan.derived.micro_batch_size)
     log.info(
         "eval: %s (%.1f s)",
         ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items())),
@@ -183,7 +188,7 @@ def _build(ctx: WorkerContext) -> Run:
         context.reference = build_reference(
             ctx, model, objective, train_split, eval_split, adapters
         )
-    optimizer = build_optimizer(model, algo)
+    optimizer = build_optimizer(model, algo, precision=plan.derived.precision)
     return Run(
         model=model,
         tokenizer=loaded.tokenizer,

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from rollout.algorithms.losses import entropy_from_logits, masked_mean, token_logprobs
+from rollout.algorithms.losses import masked_mean
 from rollout.algorithms.preference import (
     dpo_loss,
     ipo_loss,
@@ -26,11 +26,12 @@ from rollout.algorithms.preference import (
     sequence_logprobs,
 )
 from rollout.algorithms.reward_model import bradley_terry_loss
-from rollout.algorithms.sft import IGNORE, sft_loss
+from rollout.algorithms.sft import IGNORE, sft_loss_from_logprobs
 from rollout.harness.model_reward import reward_scores
 from rollout.models.batches import CompletionBatch, pad_completions
 from rollout.models.samples import Demonstration, Judged, Pair
 from rollout.runtime import transport
+from rollout.runtime.logprobs import final_states, token_scores
 from rollout.runtime.offline.batches import TokenBatch, pack_sequences, pad_sequences
 from rollout.runtime.offline.data import Split
 
@@ -109,21 +110,19 @@ def sequence_sums_and_entropy(
 ) -> tuple[torch.Tensor, float | None]:
     """sequence_sums, and the policy's mean entropy over the completion tokens (reported, not
     optimized: no gradient; None when not asked for)."""
-    logits = model(
+    states = final_states(
+        model,
+        keep=batch.logits_to_keep,
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
         position_ids=batch.position_ids,
-        logits_to_keep=batch.logits_to_keep,
         use_cache=False,
-    ).logits[:, :-1]
-    sums = sequence_logprobs(token_logprobs(logits, batch.targets), batch.mask)
-    return sums, (mean_entropy(logits, batch.mask) if entropy else None)
-
-
-def mean_entropy(logits: torch.Tensor, mask: torch.Tensor) -> float:
-    """Mean entropy of softmax(logits) where mask is set: [B, T, V], [B, T] -> a number."""
-    with torch.no_grad():
-        return float(masked_mean(entropy_from_logits(logits.detach()), mask))
+    )[:, :-1]
+    logprobs, entropies = token_scores(
+        model, states, batch.targets, batch.rows, temperature=1.0, entropy=entropy
+    )
+    sums = sequence_logprobs(logprobs, batch.mask)
+    return sums, (None if entropies is None else float(masked_mean(entropies, batch.mask)))
 
 
 def _chunks(indices: list[int], size: int) -> list[list[int]]:
@@ -339,12 +338,14 @@ class Sft:
 
     def loss(self, model, split, micro):
         batch, divisor = micro.batch
-        logits = _logits(model, batch)
-        loss, metrics = sft_loss(logits, batch.labels, num_tokens=divisor)
+        logprobs, entropies = _label_scores(model, batch, entropy=True)
+        labelled = batch.labels != IGNORE
+        loss, metrics = sft_loss_from_logprobs(logprobs, labelled, num_tokens=divisor)
         # Weighted by the micro batch's share of the step's tokens, as the loss is.
-        entropy = mean_entropy(logits, batch.labels != IGNORE)
-        share = int(metrics["tokens"]) / divisor
-        return loss, {"loss": metrics["loss"], "entropy": entropy * share}, batch.tokens
+        share = len(batch.target_rows) / divisor
+        entropy = masked_mean(entropies, labelled) * share
+        values = torch.stack([metrics["loss"], entropy]).tolist()  # one read of the device
+        return loss, {"loss": values[0], "entropy": values[1]}, batch.tokens
 
     def evaluate(self, model, split, chunk_size):
         total, tokens = 0.0, 0
@@ -353,20 +354,30 @@ class Sft:
                 batch = pad_sequences(
                     [split.samples[i] for i in part], self.ctx.pad_id, self.ctx.device
                 )
-                loss, metrics = sft_loss(_logits(model, batch), batch.labels, num_tokens=1.0)
+                logprobs, _ = _label_scores(model, batch, entropy=False)
+                loss, _ = sft_loss_from_logprobs(logprobs, batch.labels != IGNORE, num_tokens=1.0)
                 total += float(loss)
-                tokens += int(metrics["tokens"])
+                tokens += len(batch.target_rows)
         mean = total / max(1, tokens)
         return {"loss": mean, "perplexity": float(torch.tensor(mean, device="cpu").exp())}
 
 
-def _logits(model: Any, batch: TokenBatch) -> torch.Tensor:
-    return model(
+def _label_scores(
+    model: Any, batch: TokenBatch, *, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[B, L] log-probs of each position's label (0 where it has none, from the chunked head),
+    and with `entropy` the entropies there."""
+    states = final_states(
+        model,
+        keep=batch.input_ids.shape[1],
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
         position_ids=batch.position_ids,
         use_cache=False,
-    ).logits
+    )
+    # IGNORE is no token: the full-logits route gathers at every position, so it reads 0 there.
+    tokens = batch.labels.clamp(min=0)
+    return token_scores(model, states, tokens, batch.target_rows, temperature=1.0, entropy=entropy)
 
 
 def _demonstration(split: Split, index: int) -> Demonstration:

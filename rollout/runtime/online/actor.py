@@ -70,6 +70,7 @@ class Actor:
         completions = self.engine.generate(prompt_ids, params)
         generate_s = time.perf_counter() - started
 
+        scoring_started = time.perf_counter()
         group = params.n
         owners = [c.prompt_index for c in completions]
         texts = [c.text for c in completions]
@@ -88,6 +89,8 @@ class Actor:
             texts=texts,
         )
         metrics = _rollout_metrics(completions, rewards, scores.per_function, generate_s)
+        # Rewards and advantages are host work: the host clock is right for them.
+        metrics["perf/score_s"] = time.perf_counter() - scoring_started
         return Rollout(batch=batch, metrics=metrics)
 
     def _encode(self, text: str) -> list[int]:

@@ -89,6 +89,9 @@ class PaddedBatch:
     """[B, K] (PPO)."""
     returns: torch.Tensor | None = None
     """[B, K] (PPO)."""
+    completion_rows: torch.Tensor | None = None
+    """[N] int64 indices of the completion tokens in the flattened [B * K] layout, on the CPU
+    (where the padding made them: reading them never waits for the device)."""
 
     @property
     def logits_to_keep(self) -> int:
@@ -127,6 +130,7 @@ def pad_for_learner(batch: RolloutBatch, pad_id: int, device: torch.device | str
         advantages=advantages.to(device),
         old_values=_pad_optional(batch.old_values, longest, device),
         returns=_pad_optional(batch.returns, longest, device),
+        completion_rows=completion.flatten().nonzero().squeeze(1),
     )
 
 

@@ -69,7 +69,9 @@ class Critic:
         finally:
             self.model.train(was_training)
 
-    def loss(self, padded: PaddedBatch, weight: float) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(
+        self, padded: PaddedBatch, weight: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """vf_coef * the value loss of this micro batch, times `weight` (its share of the
         minibatch's tokens, so micro batches sum to the minibatch's token mean)."""
         if padded.old_values is None or padded.returns is None:
@@ -84,12 +86,13 @@ class Critic:
         )
         return self.vf_coef * loss * weight, stats
 
-    def step(self) -> float:
-        """Clip and apply the critic's own gradients (separate critic only); its grad norm."""
+    def step(self) -> torch.Tensor:
+        """Clip and apply the critic's own gradients (separate critic only); its grad norm (on
+        the device: read with the learner's other metrics)."""
         assert self.optimizer is not None and self.scheduler is not None
         params = [p for p in self.model.parameters() if p.grad is not None]
         limit = self.max_grad_norm if self.max_grad_norm is not None else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
+        norm = torch.nn.utils.clip_grad_norm_(params, limit)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()

@@ -7,14 +7,14 @@ several data-parallel ranks the gradients are averaged before the step.
 
 from __future__ import annotations
 
-from collections import defaultdict
+import contextlib
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from rollout.algorithms.losses import entropy_from_logits, grpo_loss, token_logprobs
+from rollout.algorithms.losses import grpo_loss, read_metrics
 from rollout.runtime import transport
+from rollout.runtime.logprobs import final_states, token_scores
 from rollout.runtime.online.batches import PaddedBatch, RolloutBatch, pad_for_learner
 from rollout.runtime.online.critic import Critic
 from rollout.runtime.online.shared_prefix import (
@@ -22,6 +22,7 @@ from rollout.runtime.online.shared_prefix import (
     shares_prompts,
     supports_shared_prefix,
 )
+from rollout.runtime.precision import autocast
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class LearnerKnobs:
     max_grad_norm: float | None
     temperature: float
     max_new_tokens: int
+    autocast_dtype: str | None = None
+    """The dtype forward passes autocast to (model.precision = "autocast"); None: none."""
 
 
 class Learner:
@@ -64,50 +67,61 @@ class Learner:
         self.optimizer_steps = 0
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
-        """Update epochs x minibatches of optimizer steps; returns mean metrics over them."""
+        """Update epochs x minibatches of optimizer steps; returns mean metrics over them.
+
+        The metrics stay on the device until every step is done and are then read at once: no
+        step waits for the device to report a number (which on a GPU would stall the queue of
+        kernels at every micro batch)."""
         self.model.train()
         knobs = self.knobs
-        totals: dict[str, float] = defaultdict(float)
+        totals: dict[str, torch.Tensor | float] = {}
         steps = 0
         for _ in range(knobs.update_epochs):
             for start in range(0, len(batch), knobs.minibatch_size):
                 minibatch = batch.select(list(range(start, start + knobs.minibatch_size)))
                 for name, value in self._optimizer_step(minibatch).items():
-                    totals[name] += value
+                    totals[name] = totals.get(name, 0.0) + value
                 steps += 1
-        return {name: value / steps for name, value in totals.items()}
+        return {name: value / steps for name, value in read_metrics(totals).items()}
 
-    def _optimizer_step(self, minibatch: RolloutBatch) -> dict[str, float]:
+    def _optimizer_step(self, minibatch: RolloutBatch) -> dict[str, torch.Tensor | float]:
         knobs = self.knobs
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = self._token_count(minibatch)
-        metrics: dict[str, float] = defaultdict(float)
-        computed: list[dict[str, float]] = []
-        skipped = 0
+        loss_sum: torch.Tensor | float = 0.0
+        stats_sum: dict[str, torch.Tensor] = {}
+        computed = skipped = 0
+        advantages = _host_values(minibatch.advantages)
         for start in range(0, len(minibatch), knobs.micro_batch_size):
             micro = minibatch.select(list(range(start, start + knobs.micro_batch_size)))
-            rows = self._rows_with_gradient(micro)
+            rows = self._rows_with_gradient(
+                micro, advantages[start : start + knobs.micro_batch_size]
+            )
             skipped += len(micro) - len(rows)
             if not rows:
                 continue
             micro = micro.select(rows) if len(rows) < len(micro) else micro
             padded = pad_for_learner(micro, self.pad_token_id, self.device)
-            loss, stats = self._loss(micro, padded, total_tokens, len(minibatch))
-            if self.critic is not None:
-                share = micro.num_completion_tokens / total_tokens
-                critic_loss, critic_stats = self.critic.loss(padded, share)
-                stats = {**stats, **critic_stats}
-                if self.critic.shares_policy:  # value head: one backward trains both
-                    loss = loss + critic_loss
+            with self._autocast():
+                loss, stats = self._loss(micro, padded, total_tokens, len(minibatch))
+                critic_loss = None
+                if self.critic is not None:
+                    share = micro.num_completion_tokens / total_tokens
+                    critic_loss, critic_stats = self.critic.loss(padded, share)
+                    stats = {**stats, **critic_stats}
+            if critic_loss is not None:
+                if self.critic is not None and self.critic.shares_policy:
+                    loss = loss + critic_loss  # value head: one backward trains both
                 else:
                     critic_loss.backward()
             loss.backward()
             # The micro batches' losses are parts of the minibatch's: their sum is its loss.
-            metrics["loss"] += loss.item()
-            computed.append(stats)
-        for stats in computed:
+            loss_sum = loss_sum + loss.detach()
             for name, value in stats.items():
-                metrics[name] += value / len(computed)
+                stats_sum[name] = stats_sum[name] + value if name in stats_sum else value
+            computed += 1
+        metrics: dict[str, torch.Tensor | float] = {"loss": loss_sum}
+        metrics.update({name: value / computed for name, value in stats_sum.items()})
         metrics["skipped_fraction"] = skipped / len(minibatch)
         self._fill_missing_gradients()
         transport.average_gradients(self._trained_parameters())
@@ -124,18 +138,20 @@ class Learner:
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         return metrics
 
-    def _rows_with_gradient(self, micro: RolloutBatch) -> list[int]:
+    def _rows_with_gradient(self, micro: RolloutBatch, advantages: list[float]) -> list[int]:
         """The rows whose loss can have a gradient. With no KL term and no critic, a completion
         whose advantage is 0 (every token's, for per-token advantages) contributes exactly 0 to
         the policy loss of every aggregation, so its forward and backward are skipped: in GRPO
         every group whose completions scored alike. The token counts that normalize the loss
-        still include it, so the update is the one the whole batch gives."""
+        still include it, so the update is the one the whole batch gives. Decided from host
+        data (`advantages`: the micro batch's sequence advantages, read once per minibatch), so
+        it never waits for the device."""
         everything = list(range(len(micro)))
         if self.critic is not None or (self.reference is not None and self.knobs.kl_coef > 0):
             return everything
         if micro.token_advantages is not None:
             return [i for i in everything if any(a != 0 for a in micro.token_advantages[i])]
-        return [i for i in everything if micro.advantages[i].item() != 0]
+        return [i for i in everything if advantages[i] != 0]
 
     def _fill_missing_gradients(self) -> None:
         """Zero gradients where no backward reached (every row skipped): AdamW then still moves
@@ -147,9 +163,9 @@ class Learner:
 
     def _loss(
         self, micro: RolloutBatch, padded: PaddedBatch, total_tokens: float, minibatch_size: int
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         knobs = self.knobs
-        # The entropy is reported, not optimized: one more pass over the completion logits.
+        # The entropy is reported, not optimized: the chunked head computes it on the way.
         logprobs, entropy = self._scores(self.model, micro, padded, entropy=True)
         ref_logprobs = None
         if self.reference is not None and knobs.kl_coef > 0:
@@ -179,12 +195,13 @@ class Learner:
     ) -> torch.Tensor:
         """[B, K] log-probs of the completion tokens; vocabulary logits only where needed, and
         a prompt shared by several completions run once (rollout.runtime.online.shared_prefix)."""
-        return self._scores(model, micro, padded, entropy=False)
+        with self._autocast():
+            return self._scores(model, micro, padded, entropy=False)[0]
 
     def _scores(
         self, model: torch.nn.Module, micro: RolloutBatch, padded: PaddedBatch, *, entropy: bool
-    ) -> Any:
-        """completion_logprobs, and with `entropy` the entropy at each position too (a pair)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """completion_logprobs, and with `entropy` the entropy at each position too."""
         if shares_prompts(micro) and supports_shared_prefix(model):
             return shared_prefix_logprobs(
                 model,
@@ -194,17 +211,27 @@ class Learner:
                 temperature=self.knobs.temperature,
                 entropy=entropy,
             )
-        logits = model(
+        assert padded.completion_rows is not None
+        states = final_states(
+            model,
+            keep=padded.logits_to_keep,
             input_ids=padded.input_ids,
             attention_mask=padded.attention_mask,
             position_ids=padded.position_ids,
-            logits_to_keep=padded.logits_to_keep,
-        ).logits[:, :-1]
-        logprobs = token_logprobs(logits, padded.targets, self.knobs.temperature)
-        if not entropy:
-            return logprobs
-        with torch.no_grad():
-            return logprobs, entropy_from_logits(logits.detach(), self.knobs.temperature)
+            use_cache=False,
+        )[:, :-1]
+        return token_scores(
+            model,
+            states,
+            padded.targets,
+            padded.completion_rows,
+            temperature=self.knobs.temperature,
+            entropy=entropy,
+        )
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """The forward passes' autocast (model.precision = "autocast"), or nothing."""
+        return autocast(self.device, self.knobs.autocast_dtype)
 
     def _token_count(self, minibatch: RolloutBatch) -> float:
         """Completion tokens the loss is normalized by: this rank's minibatch, or, for
@@ -219,11 +246,19 @@ class Learner:
         """What the optimizer steps: the policy's parameters, and a value head's with them."""
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
-    def _clip(self) -> float:
+    def _clip(self) -> torch.Tensor:
+        """Clip the gradients; their norm before clipping, left on the device."""
         params = [p for p in self._trained_parameters() if p.grad is not None]
         limit = self.knobs.max_grad_norm
-        norm = torch.nn.utils.clip_grad_norm_(params, limit if limit is not None else float("inf"))
-        return float(norm)
+        return torch.nn.utils.clip_grad_norm_(params, limit if limit is not None else float("inf"))
+
+
+def _host_values(values: torch.Tensor) -> list[float]:
+    """A rollout batch's [B] advantages as numbers: the actor makes them on the CPU, so this
+    reads host memory (a tensor on a GPU would make every step wait here)."""
+    if values.device.type != "cpu":
+        raise ValueError(f"a rollout batch's advantages must be on the CPU, not {values.device}")
+    return values.tolist()
 
 
 def _accumulating(mode: str, micro_size: int, minibatch_size: int) -> tuple[str, float]:

@@ -18,8 +18,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from rollout.algorithms.losses import entropy_from_logits, token_logprobs
-from rollout.engines.base import cache_keyword
+from rollout.runtime.logprobs import final_states, token_scores
 from rollout.runtime.online.batches import RolloutBatch
 
 
@@ -45,10 +44,11 @@ def shared_prefix_logprobs(
     device: torch.device | str,
     temperature: float,
     entropy: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / temperature) of each completion token: [B, K] float32, K the longest
     completion, left-padded as in PaddedBatch (zeros where a row has no token). With
-    `entropy`, also the policy's entropy at each of those positions ([B, K], no gradient)."""
+    `entropy`, also the policy's entropy at each of those positions ([B, K], no gradient), else
+    None."""
     distinct: dict[tuple[int, ...], int] = {}
     row_prompt = [distinct.setdefault(tuple(p), len(distinct)) for p in batch.prompt_ids]
     prompts = [list(p) for p in distinct]
@@ -63,15 +63,20 @@ def shared_prefix_logprobs(
     prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
 
     cache = DynamicCache(config=model.config)
-    prompt_out = model(
+    # The last prompt position predicts each completion's first token.
+    prompt_states = final_states(
+        model,
+        keep=1,
         input_ids=prompt_ids.to(device),
         attention_mask=prompt_mask.to(device),
         position_ids=prompt_positions.to(device),
-        **{cache_keyword(model): cache},
+        cache=cache,
         use_cache=True,
-        logits_to_keep=1,  # the last prompt position predicts each completion's first token
     )
-    rows = torch.tensor(row_prompt, device=device)
+    # Host and device copies of the row -> prompt map: the host one indexes host tensors, so
+    # nothing here waits for the device.
+    host_rows = torch.tensor(row_prompt, device="cpu")
+    rows = host_rows.to(device)
     cache.batch_select_indices(rows)  # differentiable indexing: gradients sum over repeats
 
     # The completions, right-padded after their prompt: padding at the end of a row is never
@@ -85,27 +90,33 @@ def shared_prefix_logprobs(
             completion, dtype=torch.long, device="cpu"
         )
         completion_mask[i, : len(completion)] = 1
-    prompt_lengths = prompt_mask.sum(-1)[rows.cpu()]
+    prompt_lengths = prompt_mask.sum(-1)[host_rows]
     positions = prompt_lengths[:, None] + torch.arange(longest, device="cpu")[None, :]
-    mask = torch.cat([prompt_mask[rows.cpu()], completion_mask], dim=1)
-    out = model(
+    mask = torch.cat([prompt_mask[host_rows], completion_mask], dim=1)
+    completion_states = final_states(
+        model,
+        keep=longest,
         input_ids=completion_ids.to(device),
         attention_mask=mask.to(device),
         position_ids=positions.to(device),
-        **{cache_keyword(model): cache},
+        cache=cache,
         use_cache=True,
-        logits_to_keep=longest,
     )
-    # Token k of a completion is predicted by the logits before it: the prompt's last position
+    # Token k of a completion is predicted by the state before it: the prompt's last position
     # for k = 0, the completion's position k - 1 after that.
-    logits = torch.cat([prompt_out.logits[rows], out.logits[:, : longest - 1]], dim=1)
-    right = token_logprobs(logits, completion_ids.to(device), temperature)  # [B, K], from col 0
+    states = torch.cat([prompt_states[rows], completion_states[:, : longest - 1]], dim=1)
+    right, entropies = token_scores(  # [B, K], each row's tokens from column 0
+        model,
+        states,
+        completion_ids.to(device),
+        completion_mask.flatten().nonzero().squeeze(1),
+        temperature=temperature,
+        entropy=entropy,
+    )
     mask = _right_mask(lengths, longest, right.device)
     logprobs = _align_right(right, lengths) * mask
-    if not entropy:
-        return logprobs
-    with torch.no_grad():
-        entropies = entropy_from_logits(logits.detach(), temperature)
+    if entropies is None:
+        return logprobs, None
     return logprobs, _align_right(entropies, lengths) * mask
 
 

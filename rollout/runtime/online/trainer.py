@@ -37,6 +37,8 @@ from rollout.runtime.online.evaluate import evaluate
 from rollout.runtime.online.learner import Learner, LearnerKnobs
 from rollout.runtime.online.prompts import load_data
 from rollout.runtime.online.shaping import Scoring, TokenAdvantages
+from rollout.runtime.phases import PhaseClock
+from rollout.runtime.precision import autocast_dtype
 from rollout.runtime.recording import record_means, record_metrics
 from rollout.runtime.run_state import RunState
 from rollout.seeds import derive_seed
@@ -107,22 +109,29 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
             checkpoints.save(ctx, writer, step - 1, {"policy_version": roles.engine.policy_version})
             return
         started = time.perf_counter()
+        clock = PhaseClock(ctx.device)
         if ctx.activity is not None:
             ctx.activity.at_step(step)
         rows = stream.take(plan.derived.prompts_per_rank)
         log.debug("step %d prompts %s", step, ",".join(f"{r.epoch}:{r.index}" for r in rows))
         seed = derive_seed(plan.seeds.sampling, f"{step}:{ctx.rank}")
-        rollout = roles.actor.rollout([r.record for r in rows], seed=seed)
-        learn_started = time.perf_counter()
+        with clock.phase("rollout"):  # generate and score (perf/generate_s, perf/score_s)
+            rollout = roles.actor.rollout([r.record for r in rows], seed=seed)
         metrics = dict(rollout.metrics)
         batch = rollout.batch
         if roles.token_advantages is not None:
-            batch, shaping_metrics = roles.token_advantages(batch)
+            with clock.phase("shape"):
+                batch, shaping_metrics = roles.token_advantages(batch)
             metrics.update(shaping_metrics)
-        metrics.update({f"train/{k}": v for k, v in roles.learner.update(batch).items()})
-        roles.sync_weights(step)
+        with clock.phase("learn"):
+            metrics.update({f"train/{k}": v for k, v in roles.learner.update(batch).items()})
+        with clock.phase("sync"):
+            roles.sync_weights(step)
         elapsed = time.perf_counter() - started
-        metrics["perf/train_s"] = time.perf_counter() - learn_started
+        metrics.update(clock.metrics())
+        metrics["perf/train_s"] = sum(
+            clock.seconds[name] for name in ("shape", "learn", "sync") if name in clock.seconds
+        )
         metrics["perf/step_s"] = elapsed
         metrics["perf/completions_per_s"] = len(rollout.batch) * ctx.world_size / elapsed
         metrics["perf/tokens_per_s"] = metrics["perf/generated_tokens"] * ctx.world_size / elapsed
@@ -169,7 +178,7 @@ def _build_roles(ctx: WorkerContext) -> Roles:
         reference = adapters.without_adapters()
     critic = None
     if kind.critic:
-        critic = _build_critic(model, plan.config.algorithm, plan.derived.total_optimizer_steps)
+        critic = _build_critic(model, plan.config.algorithm, plan.derived)
     learner = _build_learner(ctx, model, loaded.pad_token_id, reference, critic)
     return Roles(
         actor=actor,
@@ -257,7 +266,11 @@ def _build_learner(
     algo, derived = plan.config.algorithm, plan.derived
     head = critic.model.head if critic and critic.shares_policy else None
     optimizer = build_optimizer(
-        model, algo, extra=head, extra_lr=algo.critic_lr if head is not None else None
+        model,
+        algo,
+        precision=derived.precision,
+        extra=head,
+        extra_lr=algo.critic_lr if head is not None else None,
     )
     # A KL that goes into the token rewards (_token_advantages) is not in the loss too.
     in_reward = derived.kl_in_reward
@@ -277,6 +290,7 @@ def _build_learner(
             max_grad_norm=algo.max_grad_norm,
             temperature=derived.logprob_temperature,
             max_new_tokens=plan.config.generation.max_new_tokens,
+            autocast_dtype=autocast_dtype(derived.precision),
         ),
         pad_token_id=pad_token_id,
         device=ctx.device,
@@ -349,13 +363,15 @@ def _build_engine(ctx: WorkerContext, loaded, model: torch.nn.Module) -> Engine:
     )
 
 
-def _build_critic(model: torch.nn.Module, algo, optimizer_steps: int) -> Critic:
+def _build_critic(model: torch.nn.Module, algo, derived: Any) -> Critic:
     separate = algo.critic == "separate"
     value_model = value_model_for(model, separate=separate)
     optimizer = scheduler = None
     if separate:
-        optimizer = build_optimizer(value_model, algo, lr=algo.critic_lr)
-        scheduler = build_scheduler(optimizer, algo, optimizer_steps)
+        optimizer = build_optimizer(
+            value_model, algo, precision=derived.precision, lr=algo.critic_lr
+        )
+        scheduler = build_scheduler(optimizer, algo, derived.total_optimizer_steps)
     return Critic(
         model=value_model,
         optimizer=optimizer,
