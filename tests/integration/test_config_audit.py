@@ -389,6 +389,7 @@ def _weights(artifacts: Path) -> str | None:
         "model/model.safetensors",
         "critic/weights.safetensors",
         "value_head/weights.safetensors",
+        "adapter/adapter_model.safetensors",
     ):
         path = steps[-1] / name
         if path.exists():
@@ -555,6 +556,11 @@ OTHER_KIND = {
 
 
 # --- the cases -----------------------------------------------------------------------------------
+
+
+LORA_ON: dict[str, Any] = {"model.lora": {}}
+LORA = (derived("adapter_parameters"), LORA_ON)
+"""What a LoRA setting shows in the plan, and the base config that trains adapters."""
 
 
 def _optimizer_cases(kind: str) -> dict[str, list[Case]]:
@@ -738,6 +744,17 @@ SECTION_CASES: dict[str, list[Case]] = {
     ],
     # The tiny model ships no code of its own: there is nothing to trust.
     "model.trust_remote_code": [refused("grpo", {"model.trust_remote_code": True})],
+    "model.precision": [plan_shows("grpo", {"model.precision": "autocast"}, derived("precision"))],
+    "model.lora.rank": [plan_shows("grpo", {"model.lora.rank": 4}, *LORA)],
+    "model.lora.target_modules": [
+        plan_shows("grpo", {"model.lora.target_modules": ["q_proj"]}, *LORA)
+    ],
+    # B starts at 0, so the scale and the dropout show in the adapters a run trains.
+    "model.lora.alpha": [run_shows("grpo", {"model.lora.alpha": 64.0}, base=LORA_ON)],
+    "model.lora.dropout": [run_shows("grpo", {"model.lora.dropout": 0.5}, base=LORA_ON)],
+    "model.lora.export": [
+        run_shows("grpo", {"model.lora.export": "merged"}, files("checkpoints/*/model/*"), LORA_ON)
+    ],
     "data.train.path": [
         plan_shows(
             "grpo", {"data.train.path": "online-eval.jsonl"}, data_facts("train", "fingerprint")
