@@ -107,7 +107,11 @@ class WithoutAdapters(torch.nn.Module):
     that walks this module's parameters (an optimizer, a gradient average) sees them twice. It
     runs the policy in eval mode, as a frozen reference copy would be: the policy may be in
     train mode when the learner asks (dropout would perturb the reference, and gradient
-    checkpointing would turn off the KV cache the shared-prefix forward relies on)."""
+    checkpointing would turn off the KV cache the shared-prefix forward relies on).
+
+    Only its forward turns the adapters off, so it offers no head or trunk to run apart: the
+    learner scores it through full logits (rollout.runtime.logprobs.chunked_head), without a
+    gradient, so without the copy a backward would keep."""
 
     def __init__(self, peft_model: Any) -> None:
         super().__init__()

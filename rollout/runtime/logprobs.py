@@ -43,7 +43,12 @@ def chunked_head(model: Any) -> torch.nn.Linear | None:
         return None
     if any(getattr(config, name, None) not in (None, 1, 1.0) for name in LOGIT_POSTPROCESSING):
         return None
-    head = inner.get_output_embeddings()
+    output_embeddings = getattr(inner, "get_output_embeddings", None)
+    if output_embeddings is None:
+        # A wrapper that only forwards (LoRA's reference, rollout.models.lora.WithoutAdapters,
+        # turns the adapters off around its forward): its trunk must not be run around it.
+        return None
+    head = output_embeddings()
     # A plain Linear only: a LoRA-wrapped head adds its own terms to the projection.
     if type(head) is not torch.nn.Linear or _trunk(inner) is None:
         return None
