@@ -168,7 +168,7 @@ class DecodeBatch:
         one token sampled for every row. Returns the rows that finished in it; cancelled rows
         are dropped without finishing."""
         started = time.perf_counter()
-        self._drop_cancelled()
+        self._queue = drop_cancelled(self._queue, self._slots)
         if self._engine._weights_loaded != self._weights_loaded:
             self._decoders.clear()  # the packed copies hold the old weights
             self._weights_loaded = self._engine._weights_loaded
@@ -188,13 +188,6 @@ class DecodeBatch:
         self._cache = self._logits = self._sampled = None
 
     # --- a step's parts ----------------------------------------------------------------------------
-
-    def _drop_cancelled(self) -> None:
-        if any(row.cancelled for row in self._queue):
-            self._queue = deque(row for row in self._queue if not row.cancelled)
-        for slot, row in enumerate(self._slots):
-            if row is not None and row.cancelled:
-                self._slots[slot] = None
 
     def _decode(self) -> None:
         """Feed every row its last sampled token (padding for empty slots) at column t."""
@@ -462,6 +455,19 @@ class DecodeBatch:
                 row.first_column += shift
         extra = self._engine._stats.extra
         extra["relayouts"] = extra.get("relayouts", 0) + 1
+
+
+def drop_cancelled(
+    queue: deque[GenerationRow], slots: list[GenerationRow | None]
+) -> deque[GenerationRow]:
+    """The queue without its cancelled rows; cancelled rows in `slots` are freed in place.
+    Shared by DecodeBatch and the static path's StaticDecodeBatch."""
+    for slot, row in enumerate(slots):
+        if row is not None and row.cancelled:
+            slots[slot] = None
+    if any(row.cancelled for row in queue):
+        return deque(row for row in queue if not row.cancelled)
+    return queue
 
 
 def _bucket(rows: int, most: int) -> int:

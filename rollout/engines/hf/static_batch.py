@@ -34,7 +34,7 @@ from typing import Protocol
 import torch
 
 from rollout.engines.base import EngineStats
-from rollout.engines.hf.decode_batch import GenerationRow, _bucket
+from rollout.engines.hf.decode_batch import GenerationRow, _bucket, drop_cancelled
 from rollout.engines.hf.static_step import RING_STEPS, RowSetup, StaticDecoder, span_bucket
 
 
@@ -100,7 +100,7 @@ class StaticDecodeBatch:
     # --- a round ---------------------------------------------------------------------------
 
     def _round(self) -> list[GenerationRow]:
-        self._drop_cancelled()
+        self._queue = drop_cancelled(self._queue, self._slots)
         self._admit()
         live = [(slot, row) for slot, row in enumerate(self._slots) if row is not None]
         if not live:
@@ -145,13 +145,6 @@ class StaticDecodeBatch:
                 )
             self._decoder = decoder
         return decoder
-
-    def _drop_cancelled(self) -> None:
-        if any(row.cancelled for row in self._queue):
-            self._queue = deque(row for row in self._queue if not row.cancelled)
-        for slot, row in enumerate(self._slots):
-            if row is not None and row.cancelled:
-                self._slots[slot] = None
 
     def _admit(self) -> None:
         """Prefill waiting rows into the lowest free slots."""
