@@ -75,16 +75,41 @@ def _connect(path: Path, *, create: bool) -> sqlite3.Connection:
     uri = f"{path.resolve().as_uri()}?mode={'rwc' if create else 'rw'}"
     conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S, isolation_level=None)
     try:
-        conn.execute("PRAGMA journal_mode = WAL")
-        conn.execute("PRAGMA synchronous = NORMAL")
-        # Off while migrating: rebuilding a table (migration 2) must not cascade deletes.
-        conn.execute("PRAGMA foreign_keys = OFF")
-        _migrate(conn)
-        conn.execute("PRAGMA foreign_keys = ON")
+        _retry_while_locked(lambda: _prepare(conn))
     except BaseException:
         conn.close()  # not a database, or a newer schema: leave no open handle behind
         raise
     return conn
+
+
+def _prepare(conn: sqlite3.Connection) -> None:
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA synchronous = NORMAL")
+    # Off while migrating: rebuilding a table (migration 2) must not cascade deletes.
+    conn.execute("PRAGMA foreign_keys = OFF")
+    _migrate(conn)
+    conn.execute("PRAGMA foreign_keys = ON")
+
+
+def _retry_while_locked(step: Callable[[], None]) -> None:
+    """Run `step`, retrying while another connection holds the file, up to the busy timeout.
+
+    Switching a fresh file to WAL takes an exclusive lock, and SQLite reports SQLITE_BUSY for
+    that switch (and for reads during another connection's WAL recovery) at once, without
+    calling the busy handler: several processes opening a new store together would otherwise
+    fail with "database is locked" although the timeout had not run out.
+    """
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    delay = 0.005
+    while True:
+        try:
+            step()
+            return
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) or time.monotonic() + delay > deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.25)
 
 
 @contextmanager
