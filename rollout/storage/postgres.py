@@ -52,6 +52,25 @@ CONNECT_TIMEOUT_S = 10
 IDLE_IN_TRANSACTION = "60s"
 ROLLED_BACK = (psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected)
 """Errors for which the server rolled the transaction back and asks for it again."""
+_COLUMN_TYPES = {
+    "run_id": "text",
+    "step": "bigint",
+    "name": "text",
+    "value": "double precision",
+    "time": "double precision",
+    "level": "text",
+    "rank": "integer",
+    "role": "text",
+    "message": "text",
+    "write_key": "text",
+}
+"""The Postgres type of each column that _insert_many sends as an array."""
+_PYTHON_TYPES: dict[str, Callable[[Any], Any]] = {
+    "text": str,
+    "bigint": int,
+    "integer": int,
+    "double precision": float,
+}
 # Advisory lock classes (the first key of the two-key form), so rollout's locks never meet
 # another application's single-key ones.
 MIGRATION_LOCK = 0x526F6C6C  # "Roll"
@@ -184,6 +203,27 @@ class PostgresRunStore(SqlRunStore):
         with self._connection().cursor() as cursor:
             cursor.execute(_dialect(sql), params)
             return cursor.fetchall()
+
+    def _insert_many(
+        self, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], conflict: str
+    ) -> None:
+        # One statement, one array per column: a batch of 500 rows costs one round trip and
+        # one plan instead of 500 (8 writers at 1,000 rows/s each outran executemany).
+        # psycopg sends a list as an array of one type: an int among floats is made a float.
+        arrays = [
+            [
+                None if value is None else _PYTHON_TYPES[_COLUMN_TYPES[name]](value)
+                for value in column
+            ]
+            for name, column in zip(columns, zip(*rows, strict=True), strict=True)
+        ]
+        casts = ", ".join(f"%s::{_COLUMN_TYPES[column]}[]" for column in columns)
+        with self._connection().cursor() as cursor:
+            cursor.execute(
+                f"INSERT INTO {table} ({', '.join(columns)}) "
+                f"SELECT * FROM unnest({casts}) ON CONFLICT {conflict}",
+                arrays,
+            )
 
     def _log_keys(self, count: int) -> list[str | None]:
         batch = secrets.token_hex(8)

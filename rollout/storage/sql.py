@@ -88,6 +88,17 @@ class SqlRunStore(ABC):
     @abstractmethod
     def _query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]: ...
 
+    def _insert_many(
+        self, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], conflict: str
+    ) -> None:
+        """INSERT `rows` into `table` with an ON CONFLICT `conflict` clause; a backend may send
+        them as one statement (the rows hold no two with the same conflict key)."""
+        self._executemany(
+            f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({_placeholders(len(columns))}) "
+            f"ON CONFLICT {conflict}",
+            rows,
+        )
+
     def _log_keys(self, count: int) -> list[str | None]:
         """Keys for `count` new log lines (a backend that may write a batch twice sets them)."""
         return [None] * count
@@ -270,8 +281,11 @@ class SqlRunStore(ABC):
     # --- rows written during a run
 
     def add_metrics(self, rows: Iterable[MetricRecord]) -> None:
+        # The last value of a (run, name, step) written twice in one batch wins, as it would
+        # across batches; one statement may not upsert a row twice.
+        latest = {(row.run_id, row.name, row.step): row for row in rows}
         # One order for every writer: two transactions upserting the same rows never deadlock.
-        rows = sorted(rows, key=lambda row: (row.run_id, row.name, row.step))
+        rows = [latest[key] for key in sorted(latest)]
         if not rows:
             return
         last_steps: dict[str, int] = {}
@@ -281,11 +295,11 @@ class SqlRunStore(ABC):
 
         def write() -> None:
             # A resumed run redoes the steps after its checkpoint: the latest row wins.
-            self._executemany(
-                "INSERT INTO metrics (run_id, step, name, value, time) VALUES (?, ?, ?, ?, ?) "
-                "ON CONFLICT (run_id, name, step) "
-                "DO UPDATE SET value = excluded.value, time = excluded.time",
+            self._insert_many(
+                "metrics",
+                ("run_id", "step", "name", "value", "time"),
                 values,
+                "(run_id, name, step) DO UPDATE SET value = excluded.value, time = excluded.time",
             )
             # Kept on the run so `runs list` needs no scan over every metric row.
             self._executemany(
@@ -307,10 +321,11 @@ class SqlRunStore(ABC):
 
         def write() -> None:
             self._serialize_logs(run_ids)
-            self._executemany(
-                "INSERT INTO logs (run_id, time, level, rank, role, message, write_key) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (write_key) DO NOTHING",
+            self._insert_many(
+                "logs",
+                ("run_id", "time", "level", "rank", "role", "message", "write_key"),
                 values,
+                "(write_key) DO NOTHING",
             )
 
         self._write(write)
