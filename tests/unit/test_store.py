@@ -414,6 +414,22 @@ def test_a_redone_step_keeps_one_row_per_metric(store):
     assert [(m.step, m.value) for m in store.metrics("r1")] == [(3, 0.5)]
 
 
+def test_a_metric_written_twice_in_one_batch_keeps_the_last_value(store):
+    make_run(store)
+    # Integer and float values mixed in one batch, as loops write them (a count, a loss).
+    store.add_metrics(
+        [
+            MetricRecord("r1", 3, "loss", 1, 1.0),
+            MetricRecord("r1", 3, "tokens", 12, 1.0),
+            MetricRecord("r1", 3, "loss", 0.25, 2.0),
+        ]
+    )
+    assert [(m.name, m.step, m.value) for m in store.metrics("r1")] == [
+        ("loss", 3, 0.25),
+        ("tokens", 3, 12.0),
+    ]
+
+
 def test_migrating_a_version_1_sqlite_store_keeps_its_rows(tmp_path):
     path = tmp_path / "old.db"
     conn = sqlite3.connect(path)
