@@ -205,8 +205,7 @@ def test_plan_accepts_artifacts_in_a_bucket_and_leaves_no_probe(
     ],
 )
 def test_a_url_carrying_a_password_is_refused_at_validate(key, url, config_file, base_config):
-    section, field = key.split(".", 1)
-    if section == "storage":
+    if key == "storage.artifacts":
         base_config["storage"] = {"artifacts": url}
     else:
         base_config["data"]["train"]["path"] = url
