@@ -11,6 +11,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 from rollout.cli.options import SetOption, local_path
 from rollout.cli.render import stderr, stdout, user_errors
+from rollout.files import is_url
 
 EXIT_INTERRUPTED = 130
 
@@ -37,7 +38,12 @@ def generate(
     ],
     out: Annotated[
         str,
-        typer.Option("--out", "-o", help="Output file, .jsonl or .parquet (by extension)."),
+        typer.Option(
+            "--out",
+            "-o",
+            help="Output file, .jsonl or .parquet (by extension): a local path, or an s3:// or "
+            "gs:// URL (written locally, uploaded whole when every prompt is done).",
+        ),
     ],
     config: Annotated[
         str | None,
@@ -138,8 +144,8 @@ def generate(
 
     with user_errors():
         config_path = local_path(config)
-        # Written in place, with a progress file beside it, and resumed: a local file for now.
-        out_path = local_path(out, "--out", hint="write to a local file, then copy it")
+        # A URL stays text: a Path would fold its `//`. It is staged locally and uploaded whole.
+        out_path = out if is_url(out) else local_path(out, "--out")
     options = GenerateOptions(
         prompts=prompts,
         out=out_path,

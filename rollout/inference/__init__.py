@@ -3,5 +3,6 @@
 model_choice.py  which model: a config's [model], a path, GGUF or builtin, or a run's checkpoint
 prompts.py       the prompt file (JSONL or Parquet, local or fsspec), checked record by record
 output.py        the output file (JSONL or Parquet), written so an interrupted job resumes
+remote_output.py an s3:// or gs:// output: staged locally, checked first, uploaded whole
 batch.py         the job: settings, encoding, the generation loop
 """

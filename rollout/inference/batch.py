@@ -32,11 +32,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from rollout.config.generation import GenerationSection
+from rollout.config.secrets import check_no_inline_credentials
 from rollout.config.validate import translate_errors
 from rollout.errors import ConfigError, Issue, RolloutError
 from rollout.files import is_url
+from rollout.inference import remote_output
 from rollout.inference.model_choice import ModelChoice, choose_model
-from rollout.inference.output import OutputFile, finished_output, open_output
+from rollout.inference.output import OutputFile, finished_output, open_output, progress_path
 from rollout.inference.prompts import PromptFile, file_format, prompt_kind, read_prompts
 from rollout.planner.builder import cuda_graph_issues
 from rollout.seeds import derive_seed
@@ -74,7 +76,8 @@ class GenerateOptions:
     """What `rollout generate` was asked; None means "not given" (a default or the config's)."""
 
     prompts: str
-    out: Path
+    out: Path | str
+    """A local path, or an s3:// or gs:// URL (staged locally, uploaded when done)."""
     config: Path | None = None
     overrides: tuple[str, ...] = ()
     model: str | None = None
@@ -108,7 +111,7 @@ class JobInfo:
     prompts_done: int
     """Finished by an earlier, interrupted run (0 for a fresh job)."""
     samples_per_prompt: int
-    out: Path
+    out: Path | str
     engine: str
     device: str
 
@@ -125,7 +128,7 @@ class Hooks:
 
 @dataclass(frozen=True)
 class GenerateResult:
-    out: Path
+    out: Path | str
     prompts: int
     records: int
     resumed_from: int
@@ -194,8 +197,13 @@ def generate(options: GenerateOptions, hooks: Hooks | None = None) -> GenerateRe
     """Run (or resume) the job. Raises RolloutError for every user mistake."""
     hooks = hooks or Hooks()
     job = prepare(options)
-    done = finished_output(options.out, job.fingerprint())
+    # A URL's output is written and resumed in a local staging file, then uploaded whole.
+    url = str(options.out) if is_url(str(options.out)) else None
+    local = remote_output.staging_path(url) if url else Path(options.out)
+    done = finished_output(local, job.fingerprint())
     if done is not None and not options.overwrite:
+        if url is not None and not remote_output.exists(url):
+            remote_output.upload(local, url)  # finished before, but its upload failed
         return GenerateResult(
             out=options.out,
             prompts=done.total_prompts,
@@ -211,7 +219,7 @@ def generate(options: GenerateOptions, hooks: Hooks | None = None) -> GenerateRe
     loaded = _load(job.choice, job.dtype, load_on)
     job.prompt_ids = _encode_all(job, loaded)
     output = open_output(
-        options.out,
+        local,
         settings=job.settings(),
         fingerprint=job.fingerprint(),
         total_prompts=len(job.prompt_ids),
@@ -236,9 +244,11 @@ def generate(options: GenerateOptions, hooks: Hooks | None = None) -> GenerateRe
     finally:
         output.close()
         engine.close()
+    if url is not None:
+        remote_output.upload(local, url)
     progress = output.progress
     return GenerateResult(
-        out=output.path,
+        out=options.out,
         prompts=progress.total_prompts,
         records=progress.records,
         resumed_from=resumed_from,
@@ -251,7 +261,7 @@ def generate(options: GenerateOptions, hooks: Hooks | None = None) -> GenerateRe
 def prepare(options: GenerateOptions) -> _Job:
     """Check everything that can be checked without loading weights: the output path, the
     model, the settings, the prompt file and the fields to carry over."""
-    _check_out(options.out)
+    _check_out(options.out, overwrite=options.overwrite)
     choice = choose_model(
         config=options.config,
         overrides=options.overrides,
@@ -370,18 +380,18 @@ def _flag_issue(issue: Issue, given: dict[str, Any]) -> Issue:
     return Issue(_FLAGS[key], issue.message, value=given[key], hint=issue.hint)
 
 
-def _check_out(out: Path) -> None:
-    if is_url(str(out)):
-        raise RolloutError(
-            Issue(
-                "--out",
-                f"{out} is a URL; the output is written to a local file (resuming needs fsync "
-                "and truncation)",
-                hint="write locally, then copy the file",
-            )
-        )
+def _check_out(out: Path | str, *, overwrite: bool) -> None:
     file_format(str(out), "--out")
-    if out.is_dir():
+    if is_url(str(out)):
+        url = str(out)
+        try:
+            check_no_inline_credentials(url)
+        except ValueError as exc:
+            raise RolloutError(Issue("--out", str(exc), value=url)) from None
+        resuming = progress_path(remote_output.staging_path(url)).is_file()
+        remote_output.check_target(url, overwrite=overwrite, resuming=resuming)
+        return
+    if Path(out).is_dir():
         raise RolloutError(Issue("--out", f"{out} is a directory", hint="name a .jsonl file"))
 
 

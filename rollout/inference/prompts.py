@@ -68,7 +68,7 @@ def read_prompts(location: str, field: str, *, limit: int | None = None) -> Prom
         )
     cwd = Path.cwd()
     resolved = locations.resolve(location, cwd)
-    if not locations.exists(resolved):
+    if not locations.exists(resolved, "--prompts"):
         raise RolloutError(
             locations.not_found(
                 "--prompts",
@@ -78,7 +78,7 @@ def read_prompts(location: str, field: str, *, limit: int | None = None) -> Prom
                 relative_to=f"the current directory ({cwd})",
             )
         )
-    if locations.is_dir(resolved):
+    if locations.is_dir(resolved, "--prompts"):
         raise RolloutError(
             Issue("--prompts", f"{resolved} is a directory, not a prompt file", value=location)
         )

@@ -57,7 +57,7 @@ def inspect_data(
     returns the problems (with path, message, hint) of a record that has every required field."""
     key = f"data.{split}.path"
     location = locations.resolve(source.path, base_dir)
-    if not locations.exists(location):
+    if not locations.exists(location, key):
         raise PlanError(
             locations.not_found(key, location, what=f"{split} data file", value=source.path)
         )
@@ -104,7 +104,7 @@ def inspect_data(
         format=data_format,
         num_records=num_records,
         fields=sorted(checker.fields),
-        size_bytes=locations.size(location),
+        size_bytes=locations.size(location, key),
         fingerprint=sha256_file(location),
     )
 

@@ -4,11 +4,13 @@ URL, and what to tell the user when nothing is there."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rollout.errors import Issue, PlanError, did_you_mean
 from rollout.files import is_url
+from rollout.planner.object_stores import failure_issue, quick_filesystem
 
 
 def resolve(location: str, base_dir: Path) -> str:
@@ -23,34 +25,35 @@ def join(location: str, name: str) -> str:
     return f"{location.rstrip('/')}/{name}" if is_url(location) else os.path.join(location, name)
 
 
-def exists(location: str) -> bool:
+def exists(location: str, key: str | None = None) -> bool:
+    """Whether a file or directory is at `location`; a remote store that cannot answer (no such
+    endpoint, credentials refused, no answer in time) is a PlanError naming `key`."""
     if is_url(location):
-        fs, path = _filesystem(location)
-        return fs.exists(path)
+        return _remote(location, key, lambda fs, path, bounded: fs.exists(path, **bounded))
     return os.path.exists(location)
 
 
-def is_dir(location: str) -> bool:
+def is_dir(location: str, key: str | None = None) -> bool:
     if is_url(location):
-        fs, path = _filesystem(location)
-        return fs.isdir(path)
+        return _remote(location, key, lambda fs, path, bounded: fs.isdir(path, **bounded))
     return os.path.isdir(location)
 
 
-def size(location: str) -> int:
+def size(location: str, key: str | None = None) -> int:
     if is_url(location):
-        fs, path = _filesystem(location)
-        return int(fs.size(path))
+        return int(_remote(location, key, lambda fs, path, bounded: fs.size(path, **bounded)))
     return os.path.getsize(location)
 
 
-def list_files(directory: str) -> dict[str, int]:
+def list_files(directory: str, key: str | None = None) -> dict[str, int]:
     """The plain files directly inside `directory`, by name, with their sizes in bytes."""
     if is_url(directory):
-        fs, path = _filesystem(directory)
+        entries = _remote(
+            directory, key, lambda fs, path, bounded: fs.ls(path, detail=True, **bounded)
+        )
         return {
             entry["name"].rstrip("/").rsplit("/", 1)[-1]: int(entry.get("size") or 0)
-            for entry in fs.ls(path, detail=True)
+            for entry in entries
             if entry.get("type") == "file"
         }
     with os.scandir(directory) as entries:
@@ -92,17 +95,25 @@ def filesystem_package(url: str) -> str | None:
     return None if importlib.util.find_spec(module) is not None else module
 
 
-def _filesystem(url: str) -> tuple[Any, str]:
-    import fsspec  # only remote locations pay for fsspec
-
-    package = filesystem_package(url)
+def _remote(location: str, key: str | None, call: Callable[[Any, str, dict], Any]) -> Any:
+    """`call(filesystem, path, call options)` on the store holding `location`, opened to fail
+    fast; its failures (but "not found", which callers word) become one PlanError naming `key`."""
+    package = filesystem_package(location)
     if package is not None:
-        scheme = url.split("://", 1)[0]
+        scheme = location.split("://", 1)[0]
         raise PlanError(
             Issue(
-                url,
+                key or location,
                 f"reading {scheme}:// needs the {package} package, which is not installed here",
+                value=location,
                 hint=f"pip install {package}",
             )
         )
-    return fsspec.core.url_to_fs(url)
+    try:
+        fs, path, bounded = quick_filesystem(location)
+        return call(fs, path, bounded)
+    except FileNotFoundError:
+        raise
+    except Exception as error:  # classified: unreachable, credentials, access, silence
+        issue = failure_issue(error, location, key or location, doing="read", writing=False)
+        raise PlanError(issue) from None

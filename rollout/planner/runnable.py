@@ -17,7 +17,8 @@ from rollout.config.root import RunConfig
 from rollout.errors import Issue
 from rollout.files import is_url
 from rollout.planner.definition import Graph
-from rollout.planner.locations import filesystem_package
+from rollout.planner.location_check import writable_issue
+from rollout.planner.object_stores import OBJECT_STORES, scheme
 
 Check = Callable[[RunConfig, Graph | None], Iterator[Issue]]
 CHECKS: list[Check] = []
@@ -112,54 +113,24 @@ def _lora_needs_peft(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
 
 
 @check
-def _artifact_store(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
+def _writable_locations(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
+    """Every URL the run writes to: checked over the wire (a probe object written and removed)."""
     location = config.storage.artifacts
-    if location is None or not is_url(location):
-        return
-    issue = artifact_location_issue(location)
-    if issue is not None:
-        yield issue
+    if location is not None:
+        issue = writable_issue(location, "storage.artifacts", "checkpoints")
+        if issue is not None:
+            yield issue
 
 
-# fsspec protocols that keep their files in one process's memory or are read-only: a run's
-# workers (separate processes) would write checkpoints nobody else can read.
-_NOT_SHARED = {
-    "memory": "it lives in one process's memory",
-    "http": "it is read-only",
-    "https": "it is read-only",
-    "github": "it is read-only",
-    "zip": "it is read-only",
-    "tar": "it is read-only",
-}
-
-
-def artifact_location_issue(location: str) -> Issue | None:
-    """Why checkpoints cannot be written to fsspec URL `location` from here, or None."""
-    protocol = location.split("://", 1)[0].lower()
-    key = "storage.artifacts"
-    if protocol in _NOT_SHARED:
-        return Issue(
-            key,
-            f"checkpoints cannot go to {protocol}:// ({_NOT_SHARED[protocol]})",
-            value=location,
-            hint="use a local directory, s3://bucket/prefix or gs://bucket/prefix",
+@check
+def _mlflow_uri(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
+    uri = config.logging.mlflow_tracking_uri
+    if uri is not None and scheme(uri) in OBJECT_STORES:
+        yield Issue(
+            "logging.mlflow_tracking_uri",
+            f"MLflow keeps its runs at a tracking server or in a local file store, not on an "
+            f"object store ({scheme(uri)}://)",
+            value=uri,
+            hint="point it at a tracking server (http://host:5000, whose artifact store can be "
+            "on s3 or gs) or a local directory",
         )
-    from fsspec.registry import known_implementations
-
-    if protocol not in known_implementations:
-        return Issue(
-            key,
-            f"no fsspec filesystem is known for {protocol}://",
-            value=location,
-            hint="use a local directory, s3://bucket/prefix (pip install s3fs) or "
-            "gs://bucket/prefix (pip install gcsfs)",
-        )
-    package = filesystem_package(location)
-    if package is not None:
-        return Issue(
-            key,
-            f"writing to {protocol}:// needs the {package} package, which is not installed here",
-            value=location,
-            hint=f"pip install {package}",
-        )
-    return None
