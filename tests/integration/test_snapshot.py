@@ -74,6 +74,7 @@ def test_a_run_moves_from_sqlite_and_disk_to_postgres_and_s3_and_continues(
     old_store, _ = only_run(workdir)
     old_metrics = old_store.metrics(run_id)
     old_logs = old_store.logs(run_id, limit=100_000)
+    (old_checkpoint_time,) = [c.time for c in old_store.checkpoints(run_id) if c.step == 2]
 
     saved = rollout(workdir, "snapshot", "save", run_id)
     assert saved.returncode == 0, saved.stdout + saved.stderr
@@ -135,9 +136,10 @@ def test_a_run_moves_from_sqlite_and_disk_to_postgres_and_s3_and_continues(
     assert "training grpo for steps 3..6" in messages
     # The old run's log lines up to the checkpoint are there, each exactly once.
     copied = Counter((line.time, line.message) for line in logs)
-    cut = [line for line in old_logs if (line.time, line.message) in copied]
-    assert any("training grpo for steps 1..6" == line.message for line in cut)
-    assert all(copied[(line.time, line.message)] == 1 for line in cut)
+    cut = [line for line in old_logs if line.time <= old_checkpoint_time]
+    assert any(line.message == "training grpo for steps 1..6" for line in cut)
+    assert [copied[(line.time, line.message)] for line in cut] == [1] * len(cut)
+    assert not any(line.message.startswith("step 3/6") for line in logs[: len(cut)])
     assert checkpoints == [2, 4, 6]
 
     import fsspec
