@@ -29,6 +29,8 @@ class RunConfig(TypedDict):
     """Run store and artifact location."""
     checkpoint: NotRequired[CheckpointSection]
     """Checkpoint interval and retention."""
+    snapshot: NotRequired[SnapshotSection]
+    """What `rollout snapshot save` captures besides the newest checkpoint."""
     logging: NotRequired[LoggingSection]
     """Metric trackers and log level."""
 
@@ -1115,6 +1117,16 @@ class SftConfig(TypedDict):
     packing: NotRequired[bool]
     """Pack several samples into one sequence of max_length (attention never crosses sample
     boundaries).
+
+    Default: False."""
+
+class SnapshotSection(TypedDict):
+    process: NotRequired[bool]
+    """Also dump the live worker processes with CRIU when `rollout snapshot save` snapshots a
+    running run (their memory, open files and TCP connections, left running), so they can be
+    restored where they stopped. Needs a host where `criu check` passes (root or
+    CAP_CHECKPOINT_RESTORE, a kernel and vDSO CRIU supports); `rollout plan` refuses it
+    elsewhere. Checkpoints are snapshotted either way.
 
     Default: False."""
 

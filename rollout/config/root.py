@@ -14,6 +14,7 @@ from rollout.config.logging import LoggingSection
 from rollout.config.model import ModelSection
 from rollout.config.rewards import RewardSpec
 from rollout.config.run import RunSection
+from rollout.config.snapshot import SnapshotSection
 from rollout.config.storage import StorageSection
 
 
@@ -43,6 +44,10 @@ class RunConfig(ConfigModel):
     )
     checkpoint: CheckpointSection = Field(
         default_factory=CheckpointSection, description="Checkpoint interval and retention."
+    )
+    snapshot: SnapshotSection = Field(
+        default_factory=SnapshotSection,
+        description="What `rollout snapshot save` captures besides the newest checkpoint.",
     )
     logging: LoggingSection = Field(
         default_factory=LoggingSection, description="Metric trackers and log level."

@@ -577,8 +577,8 @@ def _derive(
         dtype=_dtype(config, graph.device),
         precision=_precision(config, graph.device),
         run_dir=str(run_dir),
-        store=_store(config),
-        artifacts=_artifacts(config, run_dir),
+        store=store_location(config),
+        artifacts=artifacts_location(config, run_dir),
         threads_per_process=config.cluster.threads_per_process
         or max(1, hardware.cpu_count // config.cluster.nproc_per_node),
         prompts_per_step=prompts_per_step,
@@ -622,7 +622,8 @@ def _precision(config: RunConfig, device: str) -> Any:
     return "master_weights" if _dtype(config, device) == "bfloat16" else "none"
 
 
-def _store(config: RunConfig) -> str:
+def store_location(config: RunConfig) -> str:
+    """derived.store: where the run records; also `rollout snapshot restore`'s new plan."""
     storage = config.storage
     if storage.backend == "postgres":
         return f"postgres:{storage.postgres_dsn}"
@@ -630,7 +631,8 @@ def _store(config: RunConfig) -> str:
     return f"sqlite:{Path(path).resolve()}"
 
 
-def _artifacts(config: RunConfig, run_dir: Path) -> str:
+def artifacts_location(config: RunConfig, run_dir: Path) -> str:
+    """derived.artifacts: where checkpoints go (inside `run_dir` unless storage.artifacts)."""
     location = config.storage.artifacts
     if location is None:
         return str(run_dir / "checkpoints")

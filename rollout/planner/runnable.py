@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from rollout.config.root import RunConfig
 from rollout.errors import Issue
 from rollout.files import is_url
+from rollout.planner.criu_check import criu_problem
 from rollout.planner.definition import Graph
 from rollout.planner.location_check import writable_issue
 from rollout.planner.object_stores import OBJECT_STORES, scheme
@@ -109,6 +110,22 @@ def _lora_needs_peft(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
             "LoRA adapters are built with the peft package, which is not installed here",
             hint="pip install 'rollout[lora]' (or pip install 'peft>=0.13'), or remove "
             "[model.lora] to train every weight",
+        )
+
+
+@check
+def _process_snapshots(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
+    if not config.snapshot.process:
+        return
+    problem = criu_problem()
+    if problem is not None:
+        yield Issue(
+            "snapshot.process",
+            f"process snapshots need a usable CRIU, and {problem}",
+            value=True,
+            hint="on a host where `criu check` passes (apt-get install criu; run as root or "
+            "with CAP_CHECKPOINT_RESTORE), or set snapshot.process = false: `rollout snapshot "
+            "save` then snapshots the newest checkpoint only",
         )
 
 

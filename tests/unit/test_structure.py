@@ -54,7 +54,19 @@ ALLOWED = {
     "serve": {"config", "models", "engines", "inference"},  # `rollout serve`, over inference
     "testing": {"config", "planner", "models"},  # helpers for tests and plugin authors
     "cloud": set(),
-    "cli": {"config", "schema", "planner", "executor", "storage", "inference", "serve"},
+    # `rollout snapshot`: a run's plan, checkpoint (runtime's format) and records, moved between
+    # stores and artifacts; CRIU dumps of its processes (executor).
+    "snapshots": {"config", "planner", "executor", "storage", "runtime"},
+    "cli": {
+        "config",
+        "schema",
+        "planner",
+        "executor",
+        "storage",
+        "inference",
+        "serve",
+        "snapshots",
+    },
     "__init__": {"config", "planner", "executor"},  # the library face: load, plan, run
     "__main__": {"cli"},
 }
