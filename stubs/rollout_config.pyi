@@ -1147,8 +1147,8 @@ class StorageSection(TypedDict):
 
     Default: None."""
     artifacts: NotRequired[str | None]
-    """Where checkpoints go: a local path, file://, s3://bucket/prefix or gs://bucket/prefix.
-    None: inside the run directory.
+    """Where checkpoints go: a local path, file://, s3://bucket/prefix or gs://bucket/prefix;
+    each run writes under <artifacts>/<run id>. None: inside the run directory.
 
     Default: None."""
 

@@ -31,5 +31,6 @@ class StorageSection(ConfigModel):
     artifacts: Location | None = Field(
         default=None,
         description="Where checkpoints go: a local path, file://, s3://bucket/prefix or "
-        "gs://bucket/prefix. None: inside the run directory.",
+        "gs://bucket/prefix; each run writes under <artifacts>/<run id>. None: inside the run "
+        "directory.",
     )

@@ -632,13 +632,18 @@ def store_location(config: RunConfig) -> str:
 
 
 def artifacts_location(config: RunConfig, run_dir: Path) -> str:
-    """derived.artifacts: where checkpoints go (inside `run_dir` unless storage.artifacts)."""
+    """derived.artifacts: where checkpoints go: inside `run_dir`, or under storage.artifacts in a
+    directory named by the run id (the run directory's name).
+
+    Many runs share one configured bucket or directory; each must find only its own checkpoints
+    when it resumes, never another run's newest one.
+    """
     location = config.storage.artifacts
     if location is None:
         return str(run_dir / "checkpoints")
     if "://" in location and not location.startswith("file://"):
-        return location.rstrip("/")
-    return str(Path(location.removeprefix("file://")).resolve())
+        return f"{location.rstrip('/')}/{run_dir.name}"
+    return str(Path(location.removeprefix("file://")).resolve() / run_dir.name)
 
 
 # --- identity ----------------------------------------------------------------------------------

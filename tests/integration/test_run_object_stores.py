@@ -15,6 +15,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
+from rollout.planner.lockfile import read_plan
 from tests.integration.driver import only_run, rollout
 
 pytestmark = pytest.mark.slow
@@ -45,11 +46,10 @@ def test_a_run_reads_data_from_and_checkpoints_to_a_bucket_then_resumes(
     fs = fsspec.filesystem(scheme)
     train = f"{bucket}/data/arith-train.jsonl"
     fs.put_file(str(workdir / "examples" / "data" / "arith-train.jsonl"), train)
-    artifacts = f"{bucket}/checkpoints"
     settings = [
         f'data.train.path="{train}"',
         "data.eval=null",
-        f'storage.artifacts="{artifacts}"',
+        f'storage.artifacts="{bucket}/checkpoints"',
         "algorithm.max_steps=2",
         "checkpoint.interval=1",
         "generation.max_new_tokens=4",
@@ -59,6 +59,8 @@ def test_a_run_reads_data_from_and_checkpoints_to_a_bucket_then_resumes(
         workdir, "plan", "--config", "examples/grpo-tiny.toml", *overrides, "-o", "plan.lock"
     )
     assert planned.returncode == 0, planned.stdout + planned.stderr
+    artifacts = read_plan(workdir / "plan.lock").derived.artifacts
+    assert artifacts.startswith(f"{bucket}/checkpoints/")  # a directory of the run's own
     first = rollout(workdir, "run", "--plan", "plan.lock")
     assert first.returncode == 0, first.stdout + first.stderr
     store, record = only_run(workdir)

@@ -91,7 +91,8 @@ def test_a_run_moves_from_sqlite_and_disk_to_postgres_and_s3_and_continues(
     }
     assert metric_steps == {1, 2}
 
-    artifacts = f"{s3_bucket}/moved"
+    moved_to = f"{s3_bucket}/moved"
+    artifacts = f"{moved_to}/moved-1"  # each run under a directory of its own
     restored = rollout(
         workdir,
         "snapshot",
@@ -102,7 +103,7 @@ def test_a_run_moves_from_sqlite_and_disk_to_postgres_and_s3_and_continues(
         "--store",
         postgres_location,
         "--artifacts",
-        artifacts,
+        moved_to,
     )
     assert restored.returncode == 0, restored.stdout + restored.stderr
     plan_path = _last_line(restored.stdout).rsplit("rollout run --plan ", 1)[1]

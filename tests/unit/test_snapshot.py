@@ -102,9 +102,9 @@ def test_a_restored_run_is_in_the_new_store_with_its_checkpoint_and_a_plan_run_a
     plan_path = Path(result.output.strip().rsplit("rollout run --plan ", 1)[1])
     plan = read_plan(plan_path)  # fresh and unedited: what `rollout run` checks
     assert plan.run_id == "t-new" and plan.derived.store == location
-    assert plan.derived.artifacts == str(tmp_path / "elsewhere")
+    assert plan.derived.artifacts == str(tmp_path / "elsewhere" / "t-new")
     assert plan.config.storage.sqlite_path == str(tmp_path / "other" / "rollout.db")
-    assert (tmp_path / "elsewhere" / "step-000002" / "COMPLETE").is_file()
+    assert (tmp_path / "elsewhere" / "t-new" / "step-000002" / "COMPLETE").is_file()
     with open_store(location, create=False) as store:
         run = store.get_run("t-new")
         assert run.plan_sha256 == json.loads(plan_path.read_text())["sha256"]
@@ -112,7 +112,7 @@ def test_a_restored_run_is_in_the_new_store_with_its_checkpoint_and_a_plan_run_a
         assert [m.step for m in store.metrics("t-new")] == [1, 2]
         assert [line.message for line in store.logs("t-new")] == ["step 2 done"]
         (checkpoint,) = store.checkpoints("t-new")
-        assert checkpoint.location == str(tmp_path / "elsewhere" / "step-000002")
+        assert checkpoint.location == str(tmp_path / "elsewhere" / "t-new" / "step-000002")
 
 
 def _refused(result, *words: str) -> None:
