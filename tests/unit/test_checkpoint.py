@@ -13,8 +13,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from rollout.runtime import checkpoint
+from rollout.runtime.manifest import MANIFEST
 from rollout.runtime.checkpoint import (
-    COMPLETE,
+    CheckpointError,
     latest_checkpoint,
     load_checkpoint,
     prune,
@@ -184,10 +185,10 @@ def test_saved_model_loads_with_from_pretrained(tmp_path: Path, tokenizer):
 def test_no_file_in_a_checkpoint_is_a_pickle(tmp_path: Path, tokenizer):
     path = Training(seed=0).save(tmp_path, 1, tokenizer)
     files = [file for file in path.rglob("*") if file.is_file()]
-    assert {file.name for file in files} >= {COMPLETE, "optimizer.safetensors", "trainer.json"}
+    assert {file.name for file in files} >= {MANIFEST, "optimizer.safetensors", "trainer.json"}
     for file in files:
         assert file.suffix in {".json", ".safetensors"} or file.name in {
-            COMPLETE,
+            MANIFEST,
             *TOKENIZER_FILES,
         }, file
         head = file.read_bytes()[:4]
@@ -205,12 +206,14 @@ def test_a_crash_mid_save_keeps_the_previous_checkpoint(tmp_path: Path, tokenize
 
     with monkeypatch.context() as patch:
         patch.setattr(checkpoint, "_save_rng", disk_full)
-        with pytest.raises(OSError, match="No space left"):
+        with pytest.raises(CheckpointError, match="No space left.*newest good checkpoint is step 1"):
             training.save(tmp_path, 2, tokenizer)
 
     assert latest_checkpoint(tmp_path) == first
-    (temp,) = [entry for entry in tmp_path.iterdir() if entry.name.startswith(".step-000002.tmp-")]
-    assert (temp / "model" / "model.safetensors").is_file() and not (temp / COMPLETE).exists()
+    # What was staged is gone; a crash (no chance to clean up) would leave a temp directory,
+    # which the next save deletes.
+    assert [entry.name for entry in tmp_path.iterdir()] == ["step-000001"]
+    (tmp_path / ".step-000002.tmp-crashed").mkdir()
 
     # The next save cleans the leftovers up.
     second = training.save(tmp_path, 2, tokenizer)
@@ -222,7 +225,7 @@ def test_a_directory_without_the_marker_is_not_a_checkpoint(tmp_path: Path, toke
     first = Training(seed=0).save(tmp_path, 1, tokenizer)
     (tmp_path / "step-000009").mkdir()
     assert latest_checkpoint(tmp_path) == first
-    with pytest.raises(ValueError, match="not a complete checkpoint"):
+    with pytest.raises(CheckpointError, match="no manifest.json.*newest good checkpoint is step 1"):
         Training(seed=0).load(tmp_path / "step-000009")
 
 
@@ -347,8 +350,11 @@ def test_rng_state_as_json_round_trips():
 
 
 class Writer:
+    """Stands in for the run store's background writer: what reached it, in order."""
+
     def __init__(self):
         self.checkpoints: list[int] = []
+        self.metrics: dict[int, dict[str, float]] = {}
 
     def flush(self) -> None:
         pass
@@ -356,16 +362,34 @@ class Writer:
     def write_checkpoint(self, run_id: str, step: int, location: str) -> None:
         self.checkpoints.append(step)
 
+    def write_metrics(self, run_id: str, step: int, values) -> None:
+        self.metrics.setdefault(step, {}).update(values)
 
-def rank_context(rank: int, world: int):
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def plan():
+    """A real plan (the repository's plan.lock.example: tiny GRPO, one rank)."""
+    from rollout.planner.lockfile import read_plan
+
+    return read_plan(REPO / "plan.lock.example", check_fresh=False)
+
+
+def rank_context(rank: int, world: int, plan, *, keep_last: int = 2):
     from types import SimpleNamespace
 
-    config = SimpleNamespace(checkpoint=SimpleNamespace(save_optimizer=True, keep_last=2))
+    from rollout.runtime.uploads import Uploads
+
+    checkpoint_section = plan.config.checkpoint.model_copy(update={"keep_last": keep_last})
+    config = plan.config.model_copy(update={"checkpoint": checkpoint_section})
     return SimpleNamespace(
         rank=rank,
         world_size=world,
         is_main=rank == 0,
-        plan=SimpleNamespace(run_id="run", config=config),
+        plan=plan.model_copy(update={"config": config}),
+        uploads=Uploads(),
     )
 
 
@@ -379,7 +403,9 @@ def run_state(root: Path, tokenizer, rank: int, *, seed: int = 0):
     return RunState(root, training.model, tokenizer, training.optimizer, training.scheduler, stream)
 
 
-def test_every_rank_resumes_its_cursor_and_its_own_rng(tmp_path: Path, tokenizer, monkeypatch):
+def test_every_rank_resumes_its_cursor_and_its_own_rng(
+    tmp_path: Path, tokenizer, plan, monkeypatch
+):
     """Rank 0 saves for two ranks (the gathers stand in for the collectives); each rank then
     resumes its own data cursor and draws what it would have drawn had the run gone on."""
     import json
@@ -400,72 +426,21 @@ def test_every_rank_resumes_its_cursor_and_its_own_rng(tmp_path: Path, tokenizer
     monkeypatch.setattr(module.transport.dist, "barrier", lambda: None)
     torch.manual_seed(10)  # rank 0's
     writer = Writer()
-    ranks[0].save(rank_context(0, 2), writer, 4, {"policy_version": 4})
+    ranks[0].save(rank_context(0, 2, plan), writer, 4, {"policy_version": 4})
     rank0_draws = torch.rand(3)
     assert writer.checkpoints == [4]
 
     for rank, draws in ((0, rank0_draws), (1, rank1_draws)):
         resumed = run_state(tmp_path, tokenizer, rank, seed=1)
         torch.manual_seed(99)  # what a restarted worker seeds before resuming
-        state = resumed.resume(rank_context(rank, 2))
+        state = resumed.resume(rank_context(rank, 2, plan))
         assert state["step"] == 4 and state["policy_version"] == 4
         assert torch.equal(torch.rand(3), draws), rank
         assert resumed.stream.take(2) == ranks[rank].stream.take(2)
         assert_same_weights(resumed.model, ranks[0].model)
 
 
-def test_a_fresh_run_has_nothing_to_resume(tmp_path: Path, tokenizer):
-    assert run_state(tmp_path / "checkpoints", tokenizer, 0).resume(rank_context(0, 2)) is None
+def test_a_fresh_run_has_nothing_to_resume(tmp_path: Path, tokenizer, plan):
+    assert run_state(tmp_path / "checkpoints", tokenizer, 0).resume(rank_context(0, 2, plan)) is None
 
 
-# --- fsspec artifact roots (storage.artifacts = "s3://...", "gs://...") ---------------------------
-
-
-@pytest.fixture
-def remote_root():
-    """A root on fsspec's in-memory filesystem: the same calls s3fs and gcsfs answer (put_file,
-    ls, find, get_file, rm), never a local directory named after the URL."""
-    import fsspec
-
-    root = f"memory://checkpoints-{random.getrandbits(32):08x}"
-    yield root
-    fs = fsspec.filesystem("memory")
-    if fs.exists(root.removeprefix("memory://")):
-        fs.rm(root.removeprefix("memory://"), recursive=True)
-
-
-def test_a_remote_root_round_trips_and_prunes_like_a_local_one(
-    remote_root, tokenizer, tmp_path, monkeypatch
-):
-    monkeypatch.chdir(tmp_path)  # a URL mistaken for a path would show up here
-    training = Training(seed=0)
-    for step in (1, 2, 3):
-        training.step()
-        saved = training.save(remote_root, step, tokenizer, keep_last=2, note=step)
-        assert saved == f"{remote_root}/step-{step:06d}"
-    assert latest_checkpoint(remote_root) == f"{remote_root}/step-000003"
-    assert checkpoint._step_dirs(remote_root) == [
-        f"{remote_root}/step-000002",
-        f"{remote_root}/step-000003",
-    ]
-    assert not any(tmp_path.iterdir()), "nothing may land in a local directory named after a URL"
-
-    restored = Training(seed=7)
-    state = restored.load(latest_checkpoint(remote_root))
-    assert state["note"] == 3
-    assert_same_weights(restored.model, training.model)
-    assert_same(restored.optimizer.state_dict(), training.optimizer.state_dict())
-
-
-def test_a_remote_checkpoint_without_its_marker_is_not_one(remote_root, tokenizer):
-    import fsspec
-
-    training = Training(seed=0)
-    training.save(remote_root, 1, tokenizer)
-    saved = training.save(remote_root, 2, tokenizer)
-    fs = fsspec.filesystem("memory")
-    fs.rm(saved.removeprefix("memory://") + f"/{COMPLETE}")  # an upload cut short
-    assert latest_checkpoint(remote_root) == f"{remote_root}/step-000001"
-    # The next save of that step replaces what was left of it.
-    training.save(remote_root, 2, tokenizer)
-    assert latest_checkpoint(remote_root) == f"{remote_root}/step-000002"
