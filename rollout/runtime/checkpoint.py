@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from rollout.files import is_url
@@ -190,7 +191,7 @@ def stage_checkpoint(
         (staged.directory / "trainer.json").write_text(trainer_json, encoding="utf-8")
     except BaseException as error:
         shutil.rmtree(staged.directory, ignore_errors=True)
-        if isinstance(error, OSError):
+        if isinstance(error, OSError | SafetensorError):  # safetensors' own for a full disk
             raise CheckpointError(_not_saved(staged, f"writing it failed: {error}")) from error
         raise
     return staged

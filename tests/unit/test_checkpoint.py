@@ -3,6 +3,7 @@ loadable by transformers, and free of pickle."""
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -13,7 +14,6 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from rollout.runtime import checkpoint
-from rollout.runtime.manifest import MANIFEST
 from rollout.runtime.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -21,6 +21,7 @@ from rollout.runtime.checkpoint import (
     prune,
     save_checkpoint,
 )
+from rollout.runtime.manifest import MANIFEST
 
 VOCAB = 64
 BATCH = torch.tensor([[1, 5, 9, 13, 2], [3, 4, 60, 7, 8]])
@@ -206,7 +207,9 @@ def test_a_crash_mid_save_keeps_the_previous_checkpoint(tmp_path: Path, tokenize
 
     with monkeypatch.context() as patch:
         patch.setattr(checkpoint, "_save_rng", disk_full)
-        with pytest.raises(CheckpointError, match="No space left.*newest good checkpoint is step 1"):
+        with pytest.raises(
+            CheckpointError, match=r"No space left.*newest good checkpoint is step 1"
+        ):
             training.save(tmp_path, 2, tokenizer)
 
     assert latest_checkpoint(tmp_path) == first
@@ -225,7 +228,9 @@ def test_a_directory_without_the_marker_is_not_a_checkpoint(tmp_path: Path, toke
     first = Training(seed=0).save(tmp_path, 1, tokenizer)
     (tmp_path / "step-000009").mkdir()
     assert latest_checkpoint(tmp_path) == first
-    with pytest.raises(CheckpointError, match="no manifest.json.*newest good checkpoint is step 1"):
+    with pytest.raises(
+        CheckpointError, match=r"no manifest\.json.*newest good checkpoint is step 1"
+    ):
         Training(seed=0).load(tmp_path / "step-000009")
 
 
@@ -441,6 +446,356 @@ def test_every_rank_resumes_its_cursor_and_its_own_rng(
 
 
 def test_a_fresh_run_has_nothing_to_resume(tmp_path: Path, tokenizer, plan):
-    assert run_state(tmp_path / "checkpoints", tokenizer, 0).resume(rank_context(0, 2, plan)) is None
+    assert (
+        run_state(tmp_path / "checkpoints", tokenizer, 0).resume(rank_context(0, 2, plan)) is None
+    )
 
 
+# --- Committed by manifest, on every kind of root (local, S3 and GCS over the wire) --------------
+
+
+def _fs(location: str):
+    import fsspec
+
+    return fsspec.core.url_to_fs(location)
+
+
+def _read(location: str | Path, name: str) -> bytes:
+    if isinstance(location, Path):
+        return (location / name).read_bytes()
+    fs, path = _fs(location)
+    return fs.cat_file(f"{path}/{name}")
+
+
+def _write(location: str | Path, name: str, data: bytes) -> None:
+    if isinstance(location, Path):
+        (location / name).write_bytes(data)
+    else:
+        fs, path = _fs(location)
+        fs.pipe_file(f"{path}/{name}", data)
+
+
+def _remove(location: str | Path, name: str) -> None:
+    if isinstance(location, Path):
+        (location / name).unlink()
+    else:
+        fs, path = _fs(location)
+        fs.rm_file(f"{path}/{name}")
+
+
+def _flip_a_byte(location: str | Path, name: str) -> None:
+    data = bytearray(_read(location, name))
+    data[len(data) // 2] ^= 0xFF
+    _write(location, name, bytes(data))
+
+
+def test_a_checkpoint_is_committed_by_its_manifest(artifact_root, tokenizer):
+    import hashlib
+
+    from rollout.runtime.manifest import problems, read_manifest
+
+    training = Training(seed=0)
+    training.step()
+    saved = save_checkpoint(
+        artifact_root,
+        2,
+        model=training.model,
+        tokenizer=tokenizer,
+        optimizer=training.optimizer,
+        scheduler=training.scheduler,
+        trainer_state={"step": 2},
+        keep_last=2,
+        run_id="run-a",
+        plan="f" * 64,
+    )
+    manifest = read_manifest(saved)
+    assert (manifest["step"], manifest["run_id"], manifest["plan"]) == (2, "run-a", "f" * 64)
+    assert {"model/model.safetensors", "optimizer.safetensors", "trainer.json"} <= set(
+        manifest["files"]
+    )
+    assert MANIFEST not in manifest["files"]
+    for name, entry in manifest["files"].items():
+        data = _read(saved, name)
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+    assert problems(saved) == []
+    restored = Training(seed=5)
+    assert restored.load(saved) == {"step": 2}
+    assert_same_weights(restored.model, training.model)
+
+
+def test_a_damaged_checkpoint_is_never_loaded_and_the_error_names_the_good_one(
+    artifact_root, tokenizer
+):
+    from rollout.runtime.manifest import inventory
+
+    training = Training(seed=0)
+    first = training.save(artifact_root, 1, tokenizer)
+    training.step()
+    second = training.save(artifact_root, 2, tokenizer)
+    third = training.save(artifact_root, 3, tokenizer)
+    _flip_a_byte(second, "optimizer.safetensors")  # corrupted: same size, other bytes
+    data = _read(third, "model/model.safetensors")
+    _write(third, "model/model.safetensors", data[: len(data) // 2])  # truncated
+
+    fresh = Training(seed=9)
+    before = {k: v.clone() for k, v in fresh.model.state_dict().items()}
+    with pytest.raises(CheckpointError) as corrupted:
+        fresh.load(second)
+    assert "optimizer.safetensors does not match its sha256" in str(corrupted.value)
+    assert f"newest good checkpoint is step 1: {first}" in str(corrupted.value)
+    with pytest.raises(
+        CheckpointError, match=r"model/model.safetensors has .* bytes; its manifest"
+    ):
+        fresh.load(third)
+    for key, value in fresh.model.state_dict().items():  # refused before anything was restored
+        assert torch.equal(value, before[key]), key
+
+    states = {found.step: found.state for found in inventory(artifact_root, hashes=True)}
+    assert states == {1: "committed", 2: "damaged", 3: "damaged"}
+    # Sizes only (what listing and latest_checkpoint check): the flipped byte needs the hashes.
+    assert latest_checkpoint(artifact_root) == second
+
+
+def test_without_its_manifest_a_checkpoint_is_uncommitted(artifact_root, tokenizer):
+    from rollout.runtime.manifest import inventory
+
+    training = Training(seed=0)
+    first = training.save(artifact_root, 1, tokenizer)
+    second = training.save(artifact_root, 2, tokenizer)
+    _remove(second, MANIFEST)  # an upload cut short before its manifest
+    assert latest_checkpoint(artifact_root) == first
+    assert [f.state for f in inventory(artifact_root)] == ["committed", "uncommitted"]
+    with pytest.raises(CheckpointError, match=f"no {MANIFEST}.*step 1"):
+        Training(seed=1).load(second)
+    # The next save of that step replaces what was left of it.
+    assert training.save(artifact_root, 2, tokenizer) == second
+    assert latest_checkpoint(artifact_root) == second
+
+
+def test_retention_counts_only_committed_checkpoints(artifact_root, tokenizer):
+    from rollout.runtime.manifest import inventory
+
+    training = Training(seed=0)
+    for step in (1, 2, 3):
+        training.save(artifact_root, step, tokenizer, keep_last=2)
+    assert [f.step for f in inventory(artifact_root)] == [2, 3]
+    _remove(checkpoint_at(artifact_root, 3), MANIFEST)
+    # Step 3 is not committed: it does not count, so step 2 survives step 4's save.
+    training.save(artifact_root, 4, tokenizer, keep_last=2)
+    assert [(f.step, f.state) for f in inventory(artifact_root)] == [
+        (2, "committed"),
+        (4, "committed"),
+    ]
+
+
+def checkpoint_at(root: str | Path, step: int) -> str | Path:
+    name = f"step-{step:06d}"
+    return f"{root}/{name}" if "://" in str(root) else Path(root) / name
+
+
+@pytest.fixture
+def as_root():
+    """Paths as the checkpoint module gives them back: Path under a local root, URL otherwise."""
+    return lambda root: root if "://" in str(root) else Path(root)
+
+
+# --- Resuming: the newest good checkpoint, never another plan's ---------------------------------
+
+
+def _resumable(root, tokenizer, *, seed: int = 0):
+    from rollout.runtime.data import PromptStream
+    from rollout.runtime.run_state import RunState
+
+    training = Training(seed=seed)
+    stream = PromptStream([{"i": i} for i in range(10)], seed=7, shuffle=True)
+    state = RunState(
+        root, training.model, tokenizer, training.optimizer, training.scheduler, stream
+    )
+    return training, state
+
+
+def test_resume_skips_damaged_newer_checkpoints_with_a_warning(
+    artifact_root, tokenizer, plan, as_root, caplog
+):
+    root = as_root(artifact_root)
+    training, state = _resumable(root, tokenizer)
+    ctx = rank_context(0, 1, plan, keep_last=5)
+    writer = Writer()
+    for step in (1, 2, 3):
+        training.step()
+        state.stream.take(2)
+        state.save(ctx, writer, step)
+        if step == 1:
+            weights_at_1 = {k: v.clone() for k, v in training.model.state_dict().items()}
+    ctx.uploads.wait()
+    assert writer.checkpoints == [1, 2, 3]
+    _flip_a_byte(checkpoint_at(root, 3), "model/model.safetensors")
+    _remove(checkpoint_at(root, 2), MANIFEST)
+
+    resumed_training, resumed = _resumable(root, tokenizer, seed=4)
+    with caplog.at_level("WARNING", logger="rollout.checkpoint"):
+        saved = resumed.resume(rank_context(0, 1, plan))
+    assert saved["step"] == 1
+    for key, value in resumed_training.model.state_dict().items():
+        assert torch.equal(value, weights_at_1[key]), key
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("step-000003" in w and "does not match its sha256" in w for w in warnings)
+    assert any("step-000002" in w and f"no {MANIFEST}" in w for w in warnings)
+
+
+def test_a_checkpoint_of_another_plan_is_refused(artifact_root, tokenizer, plan, as_root):
+    root = as_root(artifact_root)
+    _, state = _resumable(root, tokenizer)
+    ctx = rank_context(0, 1, plan)
+    state.save(ctx, Writer(), 1)
+    ctx.uploads.wait()
+
+    # Another model (a fingerprint of other weights): resuming would train something else on.
+    other_model = plan.model.model_copy(update={"fingerprint": "0" * 64})
+    other = plan.model_copy(update={"model": other_model, "run_id": "other-run"})
+    with pytest.raises(CheckpointError) as refused:
+        _resumable(root, tokenizer)[1].resume(rank_context(0, 1, other))
+    message = str(refused.value)
+    assert "saved by another plan" in message and plan.run_id in message
+    assert "other-run" in message and "storage.artifacts" in message
+
+    # A harmless re-plan (new run id, more steps, another learning rate) resumes.
+    algorithm = plan.config.algorithm.model_copy(update={"max_steps": 99, "lr": 1e-3})
+    replanned = plan.model_copy(
+        update={
+            "run_id": "replanned",
+            "created_at": "2027-01-01T00:00:00Z",
+            "config": plan.config.model_copy(update={"algorithm": algorithm}),
+        }
+    )
+    assert _resumable(root, tokenizer)[1].resume(rank_context(0, 1, replanned))["step"] == 1
+
+
+# --- Uploads off the critical path --------------------------------------------------------------
+
+
+def test_an_object_store_checkpoint_is_committed_by_an_upload_thread(
+    s3_bucket, tokenizer, plan, monkeypatch
+):
+    """The save returns once staged; parts, then the manifest, then retention, then the store's
+    record follow on the upload thread; the next save waits for it (one upload in flight)."""
+    import threading
+
+    from rollout.runtime import run_state as module
+    from rollout.runtime.manifest import inventory
+
+    root = f"{s3_bucket}/ckpt"
+    _, state = _resumable(root, tokenizer)
+    ctx = rank_context(0, 1, plan, keep_last=1)
+    writer = Writer()
+    release = threading.Event()
+    commit = module.commit_checkpoint
+
+    def held_commit(staged):  # the upload waits until the test has looked
+        release.wait(30)
+        return commit(staged)
+
+    monkeypatch.setattr(module, "commit_checkpoint", held_commit)
+    state.save(ctx, writer, 1)
+    assert ctx.uploads.in_flight
+    assert writer.checkpoints == []  # not committed: not recorded
+    assert latest_checkpoint(root) is None
+    assert writer.metrics[1]["perf/checkpoint_blocking_s"] > 0
+    release.set()
+    state.save(ctx, writer, 2)  # waits for step 1's upload first
+    ctx.uploads.wait()
+    assert writer.checkpoints == [1, 2]
+    assert writer.metrics[2]["perf/checkpoint_commit_s"] > 0
+    assert [(f.step, f.state) for f in inventory(root)] == [(2, "committed")]
+
+
+def test_a_bucket_gone_mid_upload_fails_the_save_clearly(s3_bucket, tokenizer, plan):
+    import fsspec
+
+    from rollout.runtime.checkpoint import commit_checkpoint, stage_checkpoint
+
+    root = f"{s3_bucket}/ckpt"
+    training, state = _resumable(root, tokenizer)
+    ctx = rank_context(0, 1, plan)
+    writer = Writer()
+    state.save(ctx, writer, 1)
+    ctx.uploads.wait()
+    staged = stage_checkpoint(
+        root,
+        2,
+        model=training.model,
+        tokenizer=tokenizer,
+        optimizer=None,
+        scheduler=None,
+        trainer_state={},
+    )
+    fs = fsspec.filesystem("s3")
+    fs.rm(s3_bucket.removeprefix("s3://"), recursive=True)  # the bucket, deleted
+    with pytest.raises(CheckpointError) as failed:
+        commit_checkpoint(staged)
+    assert f"checkpoint step 2 was not saved under {root}: committing it failed" in str(
+        failed.value
+    )
+    assert not staged.directory.exists()  # nothing staged is left behind
+
+
+def test_a_failed_upload_is_raised_at_the_next_save_and_logged_at_once(
+    s3_bucket, tokenizer, plan, caplog
+):
+    import fsspec
+
+    root = f"{s3_bucket}/ckpt"
+    _, state = _resumable(root, tokenizer)
+    ctx = rank_context(0, 1, plan)
+    writer = Writer()
+    fsspec.filesystem("s3").rm(s3_bucket.removeprefix("s3://"), recursive=True)
+    with caplog.at_level("ERROR", logger="rollout.checkpoint"):
+        state.save(ctx, writer, 1)  # staged fine; the upload fails on its thread
+        while ctx.uploads.in_flight:
+            ctx.uploads._thread.join()
+    assert any("upload of checkpoint step 1 failed" in r.getMessage() for r in caplog.records)
+    with pytest.raises(CheckpointError, match="checkpoint step 1 was not saved"):
+        state.save(ctx, writer, 2)
+    assert writer.checkpoints == []
+
+
+# --- A full disk -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 2 MiB tmpfs (skips where mounting is not permitted); always unmounted."""
+    import subprocess
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_fails_the_save_and_keeps_the_previous_checkpoint(small_disk, tokenizer):
+    from rollout.runtime.manifest import inventory, problems
+
+    root = small_disk / "checkpoints"
+    training = Training(seed=0)
+    first = training.save(root, 1, tokenizer)
+    free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+    (small_disk / "filler").write_bytes(b"\0" * (free - 64 * 1024))  # leave 64 KiB
+    training.step()
+    with pytest.raises(CheckpointError) as full:
+        training.save(root, 2, tokenizer)
+    message = str(full.value)
+    assert "checkpoint step 2 was not saved" in message and "No space left" in message
+    assert f"newest good checkpoint is step 1: {first}" in message
+    assert [f.step for f in inventory(root)] == [1] and problems(first) == []
+    assert [entry.name for entry in root.iterdir()] == ["step-000001"]  # nothing half-written
+    Training(seed=3).load(first)
