@@ -12,7 +12,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from rollout.cli import generate, logs, plan, run, runs, schema, serve, validate
+from rollout.cli import checkpoints, generate, logs, plan, run, runs, schema, serve, validate
 from rollout.cli.options import render_flags_as_flags
 from rollout.redact import redact_text
 from rollout.version import __version__
@@ -21,7 +21,17 @@ render_flags_as_flags()
 
 # `rollout --help` lists commands in the order a user meets them: check, freeze, run, watch; then
 # inference; then tooling (typer would list single commands before groups).
-COMMAND_ORDER = ("validate", "plan", "run", "runs", "logs", "generate", "serve", "schema")
+COMMAND_ORDER = (
+    "validate",
+    "plan",
+    "run",
+    "runs",
+    "logs",
+    "checkpoints",
+    "generate",
+    "serve",
+    "schema",
+)
 
 
 class _InPipelineOrder(TyperGroup):
@@ -61,6 +71,7 @@ app.add_typer(plan.plan_app, name="plan")
 app.command()(run.run)
 app.add_typer(runs.runs)
 app.add_typer(logs.logs)
+app.add_typer(checkpoints.checkpoints)
 app.command()(generate.generate)
 app.command()(serve.serve)
 app.command()(schema.schema)

@@ -68,6 +68,7 @@ from rollout.runtime.manifest import (
     MANIFEST,
     STEP_DIR,
     build_manifest,
+    filesystem,
     inventory,
     manifest_bytes,
     manifest_problems,
@@ -619,7 +620,7 @@ def _publish(staged: Staged, manifest: bytes) -> Path | str:
 
 def _upload(staged: Staged, manifest: bytes) -> str:
     root = str(staged.root).rstrip("/")
-    fs, base = _filesystem(root)
+    fs, base = filesystem(root)
     target = f"{base.rstrip('/')}/{staged.name}"
     if fs.exists(target):  # a checkpoint of this step, committed or cut short: replaced
         _delete(f"{root}/{staged.name}")
@@ -636,7 +637,7 @@ def _upload(staged: Staged, manifest: bytes) -> str:
 @contextlib.contextmanager
 def _downloaded(url: str, manifest: dict[str, Any]) -> Iterator[Path]:
     """The files `manifest` lists (only those: nothing unhashed is read), in a temp directory."""
-    fs, path = _filesystem(url)
+    fs, path = filesystem(url)
     with tempfile.TemporaryDirectory(prefix="rollout-checkpoint-") as local:
         remote, destinations = [], []
         for name in manifest["files"]:
@@ -655,7 +656,7 @@ def _downloaded(url: str, manifest: dict[str, Any]) -> Iterator[Path]:
 
 def _delete(directory: Path | str) -> None:
     if isinstance(directory, str):
-        fs, path = _filesystem(directory)
+        fs, path = filesystem(directory)
         # The manifest first: from then on it is not a checkpoint, whatever else survives.
         if fs.exists(f"{path}/{MANIFEST}"):
             fs.rm_file(f"{path}/{MANIFEST}")
@@ -679,9 +680,3 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _filesystem(url: str) -> tuple[Any, str]:
-    import fsspec
-
-    return fsspec.core.url_to_fs(url)

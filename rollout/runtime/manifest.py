@@ -191,7 +191,7 @@ def step_dirs(root: str | Path) -> list[tuple[int, str | Path]]:
     """Every checkpoint directory under `root` (a URL when `root` is one), committed or not, by
     step; empty where `root` does not exist."""
     if is_url(root):
-        fs, base = _filesystem(str(root))
+        fs, base = filesystem(str(root))
         if not fs.exists(base):
             return []
         names = [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(base, detail=False)]
@@ -251,7 +251,7 @@ def _open(location: str | Path) -> Any:
 
 def _size(location: str | Path) -> int | None:
     if is_url(location):
-        fs, path = _filesystem(str(location))
+        fs, path = filesystem(str(location))
         try:
             return int(fs.info(path)["size"])
         except FileNotFoundError:
@@ -270,7 +270,8 @@ def _sha256(handle: Any) -> str:
     return digest.hexdigest()
 
 
-def _filesystem(url: str) -> tuple[Any, str]:
+def filesystem(url: str) -> tuple[Any, str]:
+    """The fsspec filesystem of `url` and the path in it."""
     import fsspec  # only remote locations pay for fsspec
 
     return fsspec.core.url_to_fs(url)
