@@ -53,7 +53,8 @@ import re
 import secrets
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -624,14 +625,28 @@ def _upload(staged: Staged, manifest: bytes) -> str:
     target = f"{base.rstrip('/')}/{staged.name}"
     if fs.exists(target):  # a checkpoint of this step, committed or cut short: replaced
         _delete(f"{root}/{staged.name}")
-    files = sorted(p for p in staged.directory.rglob("*") if p.is_file())
-    # One call for every part: s3fs and gcsfs send them concurrently.
-    fs.put(
-        [str(path) for path in files],
-        [f"{target}/{path.relative_to(staged.directory).as_posix()}" for path in files],
-    )
-    fs.pipe_file(f"{target}/{MANIFEST}", manifest)  # last: now it is a checkpoint
+    for path in sorted(p for p in staged.directory.rglob("*") if p.is_file()):
+        remote = f"{target}/{path.relative_to(staged.directory).as_posix()}"
+        _retried(lambda path=path, remote=remote: fs.put_file(str(path), remote))
+    _retried(lambda: fs.pipe_file(f"{target}/{MANIFEST}", manifest))  # last: now it commits
     return f"{root}/{staged.name}"
+
+
+UPLOAD_ATTEMPTS = 3
+
+
+def _retried(upload: Callable[[], object]) -> None:
+    """One file's upload, tried again after a failure: an object store under load answers a
+    large multipart upload with a 500 now and then (the client's own retries of the closing
+    call can then find the upload gone). A bucket that is gone fails every attempt."""
+    for attempt in range(1, UPLOAD_ATTEMPTS + 1):
+        try:
+            upload()
+            return
+        except OSError:
+            if attempt == UPLOAD_ATTEMPTS:
+                raise
+            time.sleep(2**attempt)
 
 
 @contextlib.contextmanager
