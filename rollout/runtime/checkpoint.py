@@ -55,7 +55,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -115,6 +115,11 @@ class Staged:
     run_id: str
     plan: str
     """The plan's fingerprint (rollout.runtime.manifest.plan_fingerprint)."""
+    deferred: list[tuple[Path, dict[str, torch.Tensor], dict[str, str] | None]] = field(
+        default_factory=list
+    )
+    """Tensor files still to write (path, copies of the tensors, metadata): under an object-store
+    root the large files are written by commit_checkpoint, on the upload thread."""
 
     @property
     def name(self) -> str:
@@ -188,8 +193,13 @@ def stage_checkpoint(
         {"format_version": FORMAT_VERSION, "step": step, "trainer_state": trainer_state}
     )
     staged = Staged(_stage(root, f"step-{step:06d}"), root, step, run_id, plan)
+    # Under an object-store root the commit runs beside training: the large tensor files are
+    # copied in memory now (what the step waits for) and written by the commit.
+    deferred = staged.deferred if is_url(root) else None
     try:
-        _write_state(staged.directory, model, tokenizer, optimizer, scheduler, extras, adapters)
+        _write_state(
+            staged.directory, model, tokenizer, optimizer, scheduler, extras, adapters, deferred
+        )
         (staged.directory / "trainer.json").write_text(trainer_json, encoding="utf-8")
     except BaseException as error:
         shutil.rmtree(staged.directory, ignore_errors=True)
@@ -207,8 +217,12 @@ def _write_state(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     extras: Mapping[str, Extra] | None,
     adapters: Adapters | None,
+    deferred: list | None,
 ) -> None:
-    if adapters is None:
+    if adapters is None and deferred is not None:
+        _save_model_deferred(staging / "model", model, deferred)
+        tokenizer.save_pretrained(staging / "model")
+    elif adapters is None:
         model.save_pretrained(staging / "model")
         tokenizer.save_pretrained(staging / "model")
     else:
@@ -218,12 +232,48 @@ def _write_state(
         adapters.save_merged(staging / "model")
         tokenizer.save_pretrained(staging / "model")
     if optimizer is not None:
-        _save_optimizer(staging, optimizer)
+        _save_optimizer(staging, optimizer, deferred)
     if scheduler is not None:
         _write_json(staging / "scheduler.json", scheduler.state_dict())
     for extra_name, extra in (extras or {}).items():
-        _save_extra(staging / extra_name, extra, with_optimizer=optimizer is not None)
+        _save_extra(staging / extra_name, extra, deferred, with_optimizer=optimizer is not None)
     _save_rng(staging)
+
+
+def _save_model_deferred(directory: Path, model: Any, deferred: list) -> None:
+    """What save_pretrained writes, the weights as copies to write later: config and generation
+    config now, model.safetensors (each tied tensor once, under its first name) by the commit."""
+    directory.mkdir(parents=True)
+    model.config.save_pretrained(directory)
+    if model.can_generate():  # as save_pretrained does
+        model.generation_config.save_pretrained(directory)
+    seen: set[int] = set()
+    weights = {}
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            weights[name] = tensor
+    _save_tensors(directory / "model.safetensors", weights, deferred, {"format": "pt"})
+
+
+def _save_tensors(
+    path: Path,
+    tensors: dict[str, torch.Tensor],
+    deferred: list | None,
+    metadata: dict[str, str] | None = None,
+) -> None:
+    """save_file now, or (with `deferred`) a CPU copy of each tensor to write it later."""
+    if deferred is None:
+        save_file(tensors, path, metadata=metadata)
+        return
+    copies = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in tensors.items()}
+    deferred.append((path, copies, metadata))
+
+
+def _write_deferred(staged: Staged) -> None:
+    while staged.deferred:  # each copy is let go once written
+        path, tensors, metadata = staged.deferred.pop()
+        save_file(tensors, path, metadata=metadata)
 
 
 def commit_checkpoint(staged: Staged) -> Path | str:
@@ -234,13 +284,15 @@ def commit_checkpoint(staged: Staged) -> Path | str:
     uncommitted, and the error says which committed checkpoint is the newest.
     """
     try:
+        _write_deferred(staged)
         manifest = build_manifest(
             staged.directory, step=staged.step, run_id=staged.run_id, plan=staged.plan
         )
         return _publish(staged, manifest_bytes(manifest))
-    except OSError as error:
+    except (OSError, SafetensorError) as error:
         raise CheckpointError(_not_saved(staged, f"committing it failed: {error}")) from error
     finally:
+        staged.deferred.clear()
         shutil.rmtree(staged.directory, ignore_errors=True)
 
 
@@ -410,12 +462,14 @@ def _weight_files(model_dir: Path) -> list[str]:
     return ["model.safetensors"]
 
 
-def _save_extra(directory: Path, extra: Extra, *, with_optimizer: bool) -> None:
+def _save_extra(
+    directory: Path, extra: Extra, deferred: list | None, *, with_optimizer: bool
+) -> None:
     directory.mkdir()
     weights = {k: v.detach().contiguous() for k, v in extra.module.state_dict().items()}
-    save_file(weights, directory / "weights.safetensors")
+    _save_tensors(directory / "weights.safetensors", weights, deferred)
     if with_optimizer and extra.optimizer is not None:
-        _save_optimizer(directory, extra.optimizer)
+        _save_optimizer(directory, extra.optimizer, deferred)
     if with_optimizer and extra.scheduler is not None:
         _write_json(directory / "scheduler.json", extra.scheduler.state_dict())
 
@@ -434,7 +488,9 @@ def _load_extra(directory: Path, extra: Extra, *, with_optimizer: bool) -> None:
 # --- Optimizer -----------------------------------------------------------------------------------
 
 
-def _save_optimizer(directory: Path, optimizer: torch.optim.Optimizer) -> None:
+def _save_optimizer(
+    directory: Path, optimizer: torch.optim.Optimizer, deferred: list | None = None
+) -> None:
     state_dict = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     plain = {
@@ -445,7 +501,7 @@ def _save_optimizer(directory: Path, optimizer: torch.optim.Optimizer) -> None:
         },
         "param_groups": _encode(state_dict["param_groups"], "param_groups", tensors),
     }
-    save_file(tensors, directory / "optimizer.safetensors")
+    _save_tensors(directory / "optimizer.safetensors", tensors, deferred)
     _write_json(directory / "optimizer.json", plain)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -685,7 +686,7 @@ def test_an_object_store_checkpoint_is_committed_by_an_upload_thread(
     from rollout.runtime.manifest import inventory
 
     root = f"{s3_bucket}/ckpt"
-    _, state = _resumable(root, tokenizer)
+    training, state = _resumable(root, tokenizer)
     ctx = rank_context(0, 1, plan, keep_last=1)
     writer = Writer()
     release = threading.Event()
@@ -697,12 +698,20 @@ def test_an_object_store_checkpoint_is_committed_by_an_upload_thread(
 
     monkeypatch.setattr(module, "commit_checkpoint", held_commit)
     state.save(ctx, writer, 1)
-    assert ctx.uploads.in_flight
+    assert ctx.uploads.in_flight  # the next save would wait for it: one upload in flight
     assert writer.checkpoints == []  # not committed: not recorded
     assert latest_checkpoint(root) is None
     assert writer.metrics[1]["perf/checkpoint_blocking_s"] > 0
+    # Training goes on while step 1 uploads: the checkpoint holds the weights of step 1.
+    at_step_1 = {k: v.clone() for k, v in training.model.state_dict().items()}
+    training.step()
     release.set()
-    state.save(ctx, writer, 2)  # waits for step 1's upload first
+    ctx.uploads.wait()
+    restored = Training(seed=3)
+    restored.load(f"{root}/step-000001")
+    for key, value in restored.model.state_dict().items():
+        assert torch.equal(value, at_step_1[key]), key
+    state.save(ctx, writer, 2)
     ctx.uploads.wait()
     assert writer.checkpoints == [1, 2]
     assert writer.metrics[2]["perf/checkpoint_commit_s"] > 0
@@ -752,7 +761,7 @@ def test_a_failed_upload_is_raised_at_the_next_save_and_logged_at_once(
     with caplog.at_level("ERROR", logger="rollout.checkpoint"):
         state.save(ctx, writer, 1)  # staged fine; the upload fails on its thread
         while ctx.uploads.in_flight:
-            ctx.uploads._thread.join()
+            time.sleep(0.05)
     assert any("upload of checkpoint step 1 failed" in r.getMessage() for r in caplog.records)
     with pytest.raises(CheckpointError, match="checkpoint step 1 was not saved"):
         state.save(ctx, writer, 2)
