@@ -34,8 +34,10 @@ Only tensors go to safetensors and everything else to JSON, so reading a checkpo
 anything. One process (rank 0) writes to a root at a time. The RNG states are that process's own.
 
 `root` is a local directory or an fsspec URL (`s3://bucket/prefix`, `gs://bucket/prefix`:
-storage.artifacts). A remote checkpoint is staged in a local temporary directory; committing
-uploads its files, then the manifest (an object store has no atomic rename: a checkpoint without
+storage.artifacts). A remote checkpoint is staged in a local temporary directory, its large
+tensor files (weights, optimizer state) as copies in memory that committing writes there: a
+memory copy is what the training step waits for, not the disk. Committing then uploads the
+files, then the manifest (an object store has no atomic rename: a checkpoint without
 its manifest is ignored, and its step is replaced by the next save of it). Committing may run on
 another thread while training goes on (rollout.runtime.uploads). Loading a remote checkpoint
 downloads it to a local temporary directory first; every load checks each file against the
