@@ -44,7 +44,6 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-
     from transformers.utils import logging as transformers_logging
 
     torch.set_num_threads(THREADS)
