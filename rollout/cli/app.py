@@ -12,7 +12,18 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from rollout.cli import generate, logs, plan, run, runs, schema, serve, snapshot, validate
+from rollout.cli import (
+    checkpoints,
+    generate,
+    logs,
+    plan,
+    run,
+    runs,
+    schema,
+    serve,
+    snapshot,
+    validate,
+)
 from rollout.cli.options import render_flags_as_flags
 from rollout.redact import redact_text
 from rollout.version import __version__
@@ -27,6 +38,7 @@ COMMAND_ORDER = (
     "run",
     "runs",
     "logs",
+    "checkpoints",
     "snapshot",
     "generate",
     "serve",
@@ -71,6 +83,7 @@ app.add_typer(plan.plan_app, name="plan")
 app.command()(run.run)
 app.add_typer(runs.runs)
 app.add_typer(logs.logs)
+app.add_typer(checkpoints.checkpoints)
 app.add_typer(snapshot.snapshot)
 app.command()(generate.generate)
 app.command()(serve.serve)

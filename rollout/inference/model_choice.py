@@ -41,9 +41,9 @@ from rollout.files import is_url
 from rollout.models.facts import ModelFacts
 from rollout.planner.definition import Plan
 from rollout.planner.inspect_model import inspect_model
+from rollout.runtime.manifest import MANIFEST
 
 PLAN_FILE = "plan.lock"
-_COMPLETE = "COMPLETE"  # rollout.runtime.checkpoint.COMPLETE: the marker of a finished save
 _STEP_DIR = re.compile(r"step-\d+")
 _PACKAGE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _MODEL_KEYS = (
@@ -337,11 +337,11 @@ def _checkpoint_at(path: Path) -> FoundCheckpoint:
         path = path.parent  # the model/ inside a checkpoint: take the checkpoint
     if _STEP_DIR.fullmatch(path.name):
         _refuse_adapter_only(path)
-        if not (path / _COMPLETE).is_file() or not (path / "model").is_dir():
+        if not (path / MANIFEST).is_file() or not (path / "model").is_dir():
             raise RolloutError(
                 Issue(
                     "--checkpoint",
-                    f"{path} is not a complete checkpoint (no {_COMPLETE} marker: its save was "
+                    f"{path} is not a complete checkpoint (no {MANIFEST}: its save was "
                     "interrupted)",
                     hint="use an earlier step, or the run directory for its latest complete "
                     "checkpoint",
@@ -411,7 +411,7 @@ def _latest_in(root: Path, plan: Plan | None) -> FoundCheckpoint:
 def _refuse_adapter_only(step: Path) -> None:
     """A LoRA run's checkpoint holds model/ only with model.lora.export = "merged"."""
     if (
-        (step / _COMPLETE).is_file()
+        (step / MANIFEST).is_file()
         and not (step / "model").is_dir()
         and (step / "adapter").is_dir()
     ):

@@ -18,7 +18,7 @@ from rollout.planner import locations
 from rollout.plugins.identity import PluginIdentity
 
 _STEP = re.compile(r"step-(\d+)")
-_COMPLETE = "COMPLETE"  # rollout.runtime.checkpoint writes it last into every finished checkpoint
+_COMPLETE = "manifest.json"  # rollout.runtime.manifest.MANIFEST: written last, it commits a save
 SCORER = ("rollout.harness.model_reward", "ModelReward")
 
 

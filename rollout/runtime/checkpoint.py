@@ -10,7 +10,10 @@
         trainer.json            format version, step, and the trainer's own JSON-able state
         <extra>/                a module trained beside the policy (PPO's critic): its
                                 weights.safetensors, and its optimizer and scheduler files
-        COMPLETE                written last: a directory without it is not a checkpoint
+        manifest.json           written last, on every backend: every other file's size and
+                                sha256, the step, the run id and the plan's fingerprint
+                                (rollout.runtime.manifest). It commits the checkpoint: one
+                                without it, or whose files do not match it, is never loaded
 
 With LoRA ([model.lora]) the base model never changes, so a checkpoint holds the adapter instead
 of model/, and the optimizer state is the adapter's (the only parameters it steps):
@@ -20,18 +23,25 @@ of model/, and the optimizer state is the adapter's (the only parameters it step
         model/                  only with model.lora.export = "merged": a plain Hugging Face
                                 model with the adapters merged in (what generate and serve load)
 
-A save writes everything into `<root>/.step-000010.tmp-<random>`, fsyncs it, writes COMPLETE,
-renames the directory to `step-000010` and fsyncs `<root>`. A crash at any point leaves either the
-finished checkpoint or a temp directory, which readers ignore and the next save deletes.
+A save has two halves. `stage_checkpoint` writes every file into a local directory (the part a
+training step waits for); `commit_checkpoint` hashes them into the manifest and publishes. Under
+a local root the staging directory is `<root>/.step-000010.tmp-<random>`: committing fsyncs it,
+writes the manifest, renames it to `step-000010` and fsyncs `<root>`. A crash at any point leaves
+either the finished checkpoint or a temp directory, which readers ignore and the next save
+deletes.
 
 Only tensors go to safetensors and everything else to JSON, so reading a checkpoint never unpickles
 anything. One process (rank 0) writes to a root at a time. The RNG states are that process's own.
 
 `root` is a local directory or an fsspec URL (`s3://bucket/prefix`, `gs://bucket/prefix`:
-storage.artifacts). A remote checkpoint is staged in a local temporary directory, then uploaded
-file by file with COMPLETE last (an object store has no atomic rename: a checkpoint without its
-marker is ignored, and its step is replaced by the next save of it); loading one downloads it to
-a local temporary directory first. Every operation on directories (listing, staging,
+storage.artifacts). A remote checkpoint is staged in a local temporary directory, its large
+tensor files (weights, optimizer state) as copies in memory that committing writes there: a
+memory copy is what the training step waits for, not the disk. Committing then uploads the
+files, then the manifest (an object store has no atomic rename: a checkpoint without
+its manifest is ignored, and its step is replaced by the next save of it). Committing may run on
+another thread while training goes on (rollout.runtime.uploads). Loading a remote checkpoint
+downloads it to a local temporary directory first; every load checks each file against the
+manifest's sha256 before reading a byte of it. Every operation on directories (staging,
 publishing, deleting) lives in the section at the end.
 """
 
@@ -45,25 +55,36 @@ import re
 import secrets
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from rollout.files import is_url
+from rollout.runtime.manifest import (
+    MANIFEST,
+    STEP_DIR,
+    build_manifest,
+    filesystem,
+    inventory,
+    manifest_bytes,
+    manifest_problems,
+    newest_committed,
+    read_manifest,
+)
 
 if TYPE_CHECKING:
     from rollout.models.lora import Adapters
 
 FORMAT_VERSION = 1
-COMPLETE = "COMPLETE"
 ADAPTER_DIR = "adapter"
 
-_STEP_DIR = re.compile(r"step-(\d+)")
 _TEMP_DIR = re.compile(r"\.step-\d+\.tmp-.+")
 # Tags that let JSON carry what it has no type for: a tensor stored in the .safetensors file
 # beside it, and a tuple (AdamW's betas) that must come back as a tuple.
@@ -81,6 +102,32 @@ class Extra:
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that must not be loaded (never committed, damaged, another plan's), or a
+    save that could not be committed; the message says which, and what is usable instead."""
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A checkpoint written to a local directory, not yet committed (no manifest)."""
+
+    directory: Path
+    root: str | Path
+    step: int
+    run_id: str
+    plan: str
+    """The plan's fingerprint (rollout.runtime.manifest.plan_fingerprint)."""
+    deferred: list[tuple[Path, dict[str, torch.Tensor], dict[str, str] | None]] = field(
+        default_factory=list
+    )
+    """Tensor files still to write (path, copies of the tensors, metadata): under an object-store
+    root the large files are written by commit_checkpoint, on the upload thread."""
+
+    @property
+    def name(self) -> str:
+        return f"step-{self.step:06d}"
+
+
 def save_checkpoint(
     root: str | Path,
     step: int,
@@ -93,25 +140,91 @@ def save_checkpoint(
     keep_last: int,
     extras: Mapping[str, Extra] | None = None,
     adapters: Adapters | None = None,
-) -> Path:
-    """Save a complete checkpoint of `step` under `root`, then keep only the `keep_last` newest.
+    run_id: str = "",
+    plan: str = "",
+) -> Path | str:
+    """Save and commit a checkpoint of `step` under `root`, then keep only the `keep_last` newest
+    committed ones: `stage_checkpoint`, `commit_checkpoint` and `prune` in one call."""
+    if keep_last < 1:
+        raise ValueError(f"need keep_last >= 1, got {keep_last}")
+    staged = stage_checkpoint(
+        root,
+        step,
+        model=model,
+        tokenizer=tokenizer,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        trainer_state=trainer_state,
+        extras=extras,
+        adapters=adapters,
+        run_id=run_id,
+        plan=plan,
+    )
+    final = commit_checkpoint(staged)
+    prune(root, keep_last)
+    return final
+
+
+def stage_checkpoint(
+    root: str | Path,
+    step: int,
+    *,
+    model: Any,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    trainer_state: dict[str, Any],
+    extras: Mapping[str, Extra] | None = None,
+    adapters: Adapters | None = None,
+    run_id: str = "",
+    plan: str = "",
+) -> Staged:
+    """Write a checkpoint of `step` into a local staging directory: everything the training
+    state is read for, so the model may change as soon as this returns.
 
     `model` is a transformers PreTrainedModel and `tokenizer` its tokenizer. The optimizer and
     scheduler may be None (checkpoint.save_optimizer = false). With LoRA `adapters`, the adapter
     is saved instead of the model, and the merged model beside it where their export says so.
-    Saving a step that already exists replaces it.
+    Saving a step that already exists replaces it when committed. A failure (a full disk)
+    removes what was staged and leaves every committed checkpoint as it was.
     """
-    if step < 0 or keep_last < 1:
-        raise ValueError(
-            f"need step >= 0 and keep_last >= 1, got step={step} keep_last={keep_last}"
-        )
+    if step < 0:
+        raise ValueError(f"need step >= 0, got step={step}")
     # Serialize first: a trainer state that is not JSON fails before anything is written.
     trainer_json = _dumps(
         {"format_version": FORMAT_VERSION, "step": step, "trainer_state": trainer_state}
     )
-    name = f"step-{step:06d}"
-    staging = _stage(root, name)
-    if adapters is None:
+    staged = Staged(_stage(root, f"step-{step:06d}"), root, step, run_id, plan)
+    # Under an object-store root the commit runs beside training: the large tensor files are
+    # copied in memory now (what the step waits for) and written by the commit.
+    deferred = staged.deferred if is_url(root) else None
+    try:
+        _write_state(
+            staged.directory, model, tokenizer, optimizer, scheduler, extras, adapters, deferred
+        )
+        (staged.directory / "trainer.json").write_text(trainer_json, encoding="utf-8")
+    except BaseException as error:
+        shutil.rmtree(staged.directory, ignore_errors=True)
+        if isinstance(error, OSError | SafetensorError):  # safetensors' own for a full disk
+            raise CheckpointError(_not_saved(staged, f"writing it failed: {error}")) from error
+        raise
+    return staged
+
+
+def _write_state(
+    staging: Path,
+    model: Any,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    extras: Mapping[str, Extra] | None,
+    adapters: Adapters | None,
+    deferred: list | None,
+) -> None:
+    if adapters is None and deferred is not None:
+        _save_model_deferred(staging / "model", model, deferred)
+        tokenizer.save_pretrained(staging / "model")
+    elif adapters is None:
         model.save_pretrained(staging / "model")
         tokenizer.save_pretrained(staging / "model")
     else:
@@ -121,23 +234,93 @@ def save_checkpoint(
         adapters.save_merged(staging / "model")
         tokenizer.save_pretrained(staging / "model")
     if optimizer is not None:
-        _save_optimizer(staging, optimizer)
+        _save_optimizer(staging, optimizer, deferred)
     if scheduler is not None:
         _write_json(staging / "scheduler.json", scheduler.state_dict())
     for extra_name, extra in (extras or {}).items():
-        _save_extra(staging / extra_name, extra, with_optimizer=optimizer is not None)
+        _save_extra(staging / extra_name, extra, deferred, with_optimizer=optimizer is not None)
     _save_rng(staging)
-    (staging / "trainer.json").write_text(trainer_json, encoding="utf-8")
-    final = _publish(staging, root, name)
-    prune(root, keep_last)
-    return final
+
+
+def _save_model_deferred(directory: Path, model: Any, deferred: list) -> None:
+    """What save_pretrained writes, the weights as copies to write later: config and generation
+    config now, model.safetensors (each tied tensor once, under its first name) by the commit."""
+    directory.mkdir(parents=True)
+    model.config.save_pretrained(directory)
+    if model.can_generate():  # as save_pretrained does
+        model.generation_config.save_pretrained(directory)
+    seen: set[int] = set()
+    weights = {}
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            weights[name] = tensor
+    _save_tensors(directory / "model.safetensors", weights, deferred, {"format": "pt"})
+
+
+def _save_tensors(
+    path: Path,
+    tensors: dict[str, torch.Tensor],
+    deferred: list | None,
+    metadata: dict[str, str] | None = None,
+) -> None:
+    """save_file now, or (with `deferred`) a CPU copy of each tensor to write it later."""
+    if deferred is None:
+        save_file(tensors, path, metadata=metadata)
+        return
+    copies = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in tensors.items()}
+    deferred.append((path, copies, metadata))
+
+
+def _write_deferred(staged: Staged) -> None:
+    while staged.deferred:  # each copy is let go once written
+        path, tensors, metadata = staged.deferred.pop()
+        save_file(tensors, path, metadata=metadata)
+
+
+def commit_checkpoint(staged: Staged) -> Path | str:
+    """Hash the staged files into the manifest and publish the checkpoint under its root, the
+    manifest last; return where it is. Safe to run on another thread than the one training.
+
+    On failure (a full disk, a bucket gone) the staged files are removed, the checkpoint stays
+    uncommitted, and the error says which committed checkpoint is the newest.
+    """
+    try:
+        _write_deferred(staged)
+        manifest = build_manifest(
+            staged.directory, step=staged.step, run_id=staged.run_id, plan=staged.plan
+        )
+        return _publish(staged, manifest_bytes(manifest))
+    except (OSError, SafetensorError) as error:
+        raise CheckpointError(_not_saved(staged, f"committing it failed: {error}")) from error
+    finally:
+        staged.deferred.clear()
+        shutil.rmtree(staged.directory, ignore_errors=True)
+
+
+def _not_saved(staged: Staged, why: str) -> str:
+    return (
+        f"checkpoint step {staged.step} was not saved under {staged.root}: {why}. "
+        f"{_newest_good(staged.root, below=None)}"
+    )
+
+
+def _newest_good(root: str | Path, *, below: int | None) -> str:
+    """A sentence naming the newest committed checkpoint under `root` (below step `below`)."""
+    try:
+        found = newest_committed(root, below=below)
+    except Exception as error:  # the root itself is gone (a deleted bucket): say that
+        return f"The checkpoints under {root} cannot be listed ({error!r})."
+    if found is None:
+        return f"There is no committed checkpoint under {root}."
+    return f"The newest good checkpoint is step {found.step}: {found.location}."
 
 
 def latest_checkpoint(root: str | Path) -> Path | str | None:
-    """The complete checkpoint with the highest step under `root` (a URL when `root` is one),
-    or None if there is none."""
-    complete = _complete_checkpoints(root)
-    return complete[-1] if complete else None
+    """The committed checkpoint with the highest step under `root` (a URL when `root` is one),
+    or None if there is none. Its files are there at their sizes; loading checks their hashes."""
+    found = newest_committed(root)
+    return found.location if found else None
 
 
 def load_checkpoint(
@@ -151,20 +334,69 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Restore weights (in place, strictly; with LoRA `adapters`, the adapter's), optimizer,
     scheduler and RNG states from a checkpoint; return the trainer state it was saved with. Pass
-    None for an optimizer or scheduler that should keep its fresh state."""
-    if is_url(path):
-        with _downloaded(str(path)) as local:
-            return load_checkpoint(
-                local,
-                model=model,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                extras=extras,
-                adapters=adapters,
-            )
-    path = Path(path)
-    if not (path / COMPLETE).is_file():
-        raise ValueError(f"{path} is not a complete checkpoint (it has no {COMPLETE} marker)")
+    None for an optimizer or scheduler that should keep its fresh state.
+
+    Every file is checked against the manifest first: a checkpoint that was never committed or
+    is damaged raises CheckpointError before anything is restored."""
+    with local_copy(path) as local:
+        return _load_verified(
+            local,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            extras=extras,
+            adapters=adapters,
+        )
+
+
+@contextlib.contextmanager
+def local_copy(path: str | Path) -> Iterator[Path]:
+    """A checked local copy of checkpoint `path` (itself, when local): CheckpointError naming
+    what is wrong and the newest good checkpoint beside it when it is not committed or its files
+    do not match its manifest."""
+    manifest = read_manifest(path)  # ValueError for one that is not a manifest
+    if manifest is None:
+        raise CheckpointError(_refusal(path, [f"it has no {MANIFEST} (never committed)"]))
+    if not is_url(path):
+        _refuse_if_damaged(path, manifest)
+        yield Path(path)
+        return
+    with _downloaded(str(path), manifest) as local:
+        _refuse_if_damaged(local, manifest, shown=path)
+        yield local
+
+
+def _refuse_if_damaged(
+    local: str | Path, manifest: dict[str, Any], shown: str | Path | None = None
+) -> None:
+    found = manifest_problems(local, manifest, hashes=True)
+    if found:
+        raise CheckpointError(_refusal(shown or local, found))
+
+
+def _refusal(path: str | Path, found: list[str]) -> str:
+    parent, step = _parent_and_step(path)
+    newest = _newest_good(parent, below=step) if step is not None else ""
+    return f"{path} is not a good checkpoint: {'; '.join(found)}. {newest}".rstrip()
+
+
+def _parent_and_step(path: str | Path) -> tuple[str | Path, int | None]:
+    text = str(path).rstrip("/")
+    parent, _, name = text.rpartition("/")
+    match = STEP_DIR.fullmatch(name)
+    step = int(match.group(1)) if match else None
+    return (parent if is_url(path) else Path(path).parent), step
+
+
+def _load_verified(
+    path: Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    extras: Mapping[str, Extra] | None,
+    adapters: Adapters | None,
+) -> dict[str, Any]:
     trainer = _read_json(path / "trainer.json")
     if trainer["format_version"] != FORMAT_VERSION:
         raise ValueError(
@@ -191,11 +423,13 @@ def load_checkpoint(
 
 
 def prune(root: str | Path, keep_last: int) -> None:
-    """Delete every checkpoint under `root` but the `keep_last` newest complete ones."""
-    keep = set(_complete_checkpoints(root)[-keep_last:])
-    for directory in _step_dirs(root):
-        if directory not in keep:
-            _delete(directory)
+    """Delete every checkpoint under `root` but the `keep_last` newest committed ones (only
+    committed ones count: a cut-short or damaged save never pushes a good one out)."""
+    found = inventory(root)
+    keep = {f.step for f in [f for f in found if f.state == "committed"][-keep_last:]}
+    for checkpoint in found:
+        if checkpoint.step not in keep:
+            _delete(checkpoint.location)
 
 
 # --- Weights -------------------------------------------------------------------------------------
@@ -230,12 +464,14 @@ def _weight_files(model_dir: Path) -> list[str]:
     return ["model.safetensors"]
 
 
-def _save_extra(directory: Path, extra: Extra, *, with_optimizer: bool) -> None:
+def _save_extra(
+    directory: Path, extra: Extra, deferred: list | None, *, with_optimizer: bool
+) -> None:
     directory.mkdir()
     weights = {k: v.detach().contiguous() for k, v in extra.module.state_dict().items()}
-    save_file(weights, directory / "weights.safetensors")
+    _save_tensors(directory / "weights.safetensors", weights, deferred)
     if with_optimizer and extra.optimizer is not None:
-        _save_optimizer(directory, extra.optimizer)
+        _save_optimizer(directory, extra.optimizer, deferred)
     if with_optimizer and extra.scheduler is not None:
         _write_json(directory / "scheduler.json", extra.scheduler.state_dict())
 
@@ -254,7 +490,9 @@ def _load_extra(directory: Path, extra: Extra, *, with_optimizer: bool) -> None:
 # --- Optimizer -----------------------------------------------------------------------------------
 
 
-def _save_optimizer(directory: Path, optimizer: torch.optim.Optimizer) -> None:
+def _save_optimizer(
+    directory: Path, optimizer: torch.optim.Optimizer, deferred: list | None = None
+) -> None:
     state_dict = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     plain = {
@@ -265,7 +503,7 @@ def _save_optimizer(directory: Path, optimizer: torch.optim.Optimizer) -> None:
         },
         "param_groups": _encode(state_dict["param_groups"], "param_groups", tensors),
     }
-    save_file(tensors, directory / "optimizer.safetensors")
+    _save_tensors(directory / "optimizer.safetensors", tensors, deferred)
     _write_json(directory / "optimizer.json", plain)
 
 
@@ -418,16 +656,16 @@ def _stage(root: str | Path, name: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
 
 
-def _publish(staging: Path, root: str | Path, name: str) -> Path | str:
-    """Make `staging` checkpoint `name` under `root` (replacing any), complete last."""
-    if is_url(root):
-        return _upload(staging, str(root), name)
-    final = Path(root) / name
+def _publish(staged: Staged, manifest: bytes) -> Path | str:
+    """Make the staged directory checkpoint `staged.name` under its root (replacing any), the
+    manifest last."""
+    if is_url(staged.root):
+        return _upload(staged, manifest)
+    staging, final = staged.directory, Path(staged.root) / staged.name
     for path in sorted(staging.rglob("*"), reverse=True):  # files before their directories
         _fsync(path)
-    marker = staging / COMPLETE
-    marker.touch()
-    _fsync(marker)
+    (staging / MANIFEST).write_bytes(manifest)
+    _fsync(staging / MANIFEST)
     _fsync(staging)
     # A directory cannot be renamed over a non-empty one: move the old one aside first. A crash
     # between the two renames leaves the step missing, and the previous one as latest.
@@ -439,38 +677,64 @@ def _publish(staging: Path, root: str | Path, name: str) -> Path | str:
     return final
 
 
-def _upload(staging: Path, root: str, name: str) -> str:
-    fs, base = _filesystem(root)
-    target = f"{base.rstrip('/')}/{name}"
-    try:
-        if fs.exists(target):  # a checkpoint of this step, complete or cut short: replaced
-            fs.rm(target, recursive=True)
-        for path in sorted(p for p in staging.rglob("*") if p.is_file()):
-            fs.put_file(str(path), f"{target}/{path.relative_to(staging).as_posix()}")
-        marker = staging / COMPLETE
-        marker.touch()
-        fs.put_file(str(marker), f"{target}/{COMPLETE}")  # last: now it is a checkpoint
-    finally:
-        shutil.rmtree(staging)
-    return f"{root.rstrip('/')}/{name}"
+def _upload(staged: Staged, manifest: bytes) -> str:
+    root = str(staged.root).rstrip("/")
+    fs, base = filesystem(root)
+    target = f"{base.rstrip('/')}/{staged.name}"
+    if fs.exists(target):  # a checkpoint of this step, committed or cut short: replaced
+        _delete(f"{root}/{staged.name}")
+    for path in sorted(p for p in staged.directory.rglob("*") if p.is_file()):
+        remote = f"{target}/{path.relative_to(staged.directory).as_posix()}"
+        _retried(lambda path=path, remote=remote: fs.put_file(str(path), remote))
+    _retried(lambda: fs.pipe_file(f"{target}/{MANIFEST}", manifest))  # last: now it commits
+    return f"{root}/{staged.name}"
+
+
+UPLOAD_ATTEMPTS = 3
+
+
+def _retried(upload: Callable[[], object]) -> None:
+    """One file's upload, tried again after a failure: an object store under load answers a
+    large multipart upload with a 500 now and then (the client's own retries of the closing
+    call can then find the upload gone). A bucket that is gone fails every attempt."""
+    for attempt in range(1, UPLOAD_ATTEMPTS + 1):
+        try:
+            upload()
+            return
+        except OSError:
+            if attempt == UPLOAD_ATTEMPTS:
+                raise
+            time.sleep(2**attempt)
 
 
 @contextlib.contextmanager
-def _downloaded(url: str) -> Iterator[Path]:
-    fs, path = _filesystem(url)
+def _downloaded(url: str, manifest: dict[str, Any]) -> Iterator[Path]:
+    """The files `manifest` lists (only those: nothing unhashed is read), in a temp directory."""
+    fs, path = filesystem(url)
     with tempfile.TemporaryDirectory(prefix="rollout-checkpoint-") as local:
-        for remote in fs.find(path):
-            relative = remote[len(path.rstrip("/")) + 1 :]
-            destination = Path(local, relative)
+        remote, destinations = [], []
+        for name in manifest["files"]:
+            destination = Path(local, name)
             destination.parent.mkdir(parents=True, exist_ok=True)
-            fs.get_file(remote, str(destination))
+            remote.append(f"{path.rstrip('/')}/{name}")
+            destinations.append(str(destination))
+        try:
+            fs.get(remote, destinations)  # one call: s3fs and gcsfs fetch them concurrently
+        except FileNotFoundError:  # one is missing: fetch the others, the check names it
+            for source, destination in zip(remote, destinations, strict=True):
+                with contextlib.suppress(FileNotFoundError):
+                    fs.get_file(source, destination)
         yield Path(local)
 
 
 def _delete(directory: Path | str) -> None:
     if isinstance(directory, str):
-        fs, path = _filesystem(directory)
-        fs.rm(path, recursive=True)
+        fs, path = filesystem(directory)
+        # The manifest first: from then on it is not a checkpoint, whatever else survives.
+        if fs.exists(f"{path}/{MANIFEST}"):
+            fs.rm_file(f"{path}/{MANIFEST}")
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
     else:
         shutil.rmtree(_move_aside(directory))
 
@@ -489,38 +753,3 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _step_dirs(root: str | Path) -> list[Path] | list[str]:
-    """Checkpoint directories under `root`, complete or not, by step."""
-    if is_url(root):
-        fs, base = _filesystem(str(root))
-        if not fs.exists(base):
-            return []
-        names = [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(base, detail=False)]
-        steps = sorted(
-            (int(match.group(1)), name) for name in names if (match := _STEP_DIR.fullmatch(name))
-        )
-        return [f"{str(root).rstrip('/')}/{name}" for _, name in steps]
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [
-        (int(match.group(1)), entry)
-        for entry in root.iterdir()
-        if (match := _STEP_DIR.fullmatch(entry.name)) and entry.is_dir()
-    ]
-    return [entry for _, entry in sorted(found)]
-
-
-def _complete_checkpoints(root: str | Path) -> list[Path] | list[str]:
-    if is_url(root):
-        fs, _ = _filesystem(str(root))
-        return [d for d in _step_dirs(root) if fs.exists(_filesystem(f"{d}/{COMPLETE}")[1])]
-    return [directory for directory in _step_dirs(root) if (directory / COMPLETE).is_file()]
-
-
-def _filesystem(url: str) -> tuple[Any, str]:
-    import fsspec
-
-    return fsspec.core.url_to_fs(url)

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from threading import Event
 from typing import TYPE_CHECKING
 
+from rollout.runtime.uploads import Uploads
+
 if TYPE_CHECKING:
     from rollout.planner.definition import Plan
     from rollout.runtime.activity import Activity
@@ -28,6 +30,8 @@ class WorkerContext:
     stop: Event = field(default_factory=Event)
     activity: Activity | None = None
     """Where this worker is (step, plugin), for the host to report if it dies without a word."""
+    uploads: Uploads = field(default_factory=Uploads)
+    """The checkpoint upload in flight, if any: the worker waits for it before it ends."""
 
     @property
     def is_main(self) -> bool:

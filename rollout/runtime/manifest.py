@@ -11,19 +11,32 @@ damaged. Neither is ever loaded. Files that the manifest does not list are ignor
 never trusts a byte the writer did not hash.
 
 Works on local paths and fsspec URLs alike (`rollout checkpoints verify s3://...`).
+
+`plan` is the plan's training fingerprint (`plan_fingerprint`), not the plan.lock's sha256: that
+one changes with every re-plan (a new run id, the time, the free memory seen), and a re-plan that
+only trains longer, logs elsewhere or runs on newer rollout must still resume. The fingerprint
+covers what makes a checkpoint mean something else: the base model's weights and shape, the LoRA
+adapters' shape, the algorithm kind and its critic (what the checkpoint holds beside the policy),
+the training data's bytes (what the saved data cursors point into) and the number of ranks (one
+cursor each). Hyperparameters, max_steps, evaluation, logging, checkpoint and storage settings,
+hardware and versions may change between a checkpoint and the run that resumes it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from rollout.files import is_url, open_binary
+
+if TYPE_CHECKING:
+    from rollout.planner.definition import Plan
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -54,6 +67,25 @@ def build_manifest(directory: Path, *, step: int, run_id: str, plan: str) -> dic
         "created_at": time.time(),
         "files": files,
     }
+
+
+def plan_fingerprint(plan: Plan) -> str:
+    """What a checkpoint must share with the run that resumes it (see the module's docstring)."""
+    config = plan.config
+    algorithm = config.algorithm.model_dump(mode="json")
+    identity = {
+        "model": {
+            "fingerprint": plan.model.fingerprint,
+            "architecture": plan.model.architecture,
+            "num_parameters": plan.model.num_parameters,
+        },
+        "lora": config.model.lora.model_dump(mode="json") if config.model.lora else None,
+        "algorithm": {key: algorithm[key] for key in ("kind", "critic") if key in algorithm},
+        "train_data": sorted(facts.fingerprint for facts in plan.data if facts.split == "train"),
+        "world_size": plan.graph.world_size,
+    }
+    text = json.dumps(identity, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def manifest_bytes(manifest: dict[str, Any]) -> bytes:
@@ -95,6 +127,13 @@ def problems(checkpoint: str | Path, *, hashes: bool = True) -> list[str]:
         manifest = read_manifest(checkpoint)
     except ValueError as error:
         return [str(error)]
+    return manifest_problems(checkpoint, manifest, hashes=hashes)
+
+
+def manifest_problems(
+    checkpoint: str | Path, manifest: dict[str, Any] | None, *, hashes: bool = True
+) -> list[str]:
+    """What is wrong with `checkpoint`'s files against its `manifest` (read already)."""
     if manifest is None:
         return [f"it has no {MANIFEST} (never committed: cut short or still being written)"]
     found = []
@@ -120,6 +159,83 @@ def _file_problems(
             yield f"{name} does not match its sha256 in the manifest (corrupted or changed)"
 
 
+# --- the checkpoints under a root
+
+
+STEP_DIR = re.compile(r"step-(\d+)")
+"""A checkpoint's directory name: step-000010."""
+
+State = Literal["committed", "damaged", "uncommitted"]
+
+
+@dataclass(frozen=True)
+class Found:
+    """One checkpoint directory under a root, and what is wrong with it (empty: committed)."""
+
+    location: str | Path
+    step: int
+    manifest: dict[str, Any] | None
+    """None where it has none, or one that is not a manifest."""
+    problems: list[str]
+    written: bool
+    """Whether its manifest was written (a manifest that does not parse counts: damaged)."""
+
+    @property
+    def state(self) -> State:
+        if not self.problems:
+            return "committed"
+        return "damaged" if self.written else "uncommitted"
+
+
+def step_dirs(root: str | Path) -> list[tuple[int, str | Path]]:
+    """Every checkpoint directory under `root` (a URL when `root` is one), committed or not, by
+    step; empty where `root` does not exist."""
+    if is_url(root):
+        fs, base = filesystem(str(root))
+        if not fs.exists(base):
+            return []
+        names = [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(base, detail=False)]
+        found = [(name, f"{str(root).rstrip('/')}/{name}") for name in names]
+    else:
+        directory = Path(root)
+        if not directory.is_dir():
+            return []
+        found = [(entry.name, entry) for entry in directory.iterdir() if entry.is_dir()]
+    return sorted(
+        (int(match.group(1)), location)
+        for name, location in found
+        if (match := STEP_DIR.fullmatch(name))
+    )
+
+
+def inventory(root: str | Path, *, hashes: bool = False) -> list[Found]:
+    """Every checkpoint under `root` by step, each with its manifest and its problems.
+
+    Without `hashes` a checkpoint counts as committed when its manifest is there and lists files
+    that are all there at their sizes: cheap enough to list a root; loading checks the hashes.
+    """
+    found = []
+    for step, location in step_dirs(root):
+        try:
+            manifest = read_manifest(location)
+        except ValueError as error:
+            found.append(Found(location, step, None, [str(error)], written=True))
+            continue
+        issues = manifest_problems(location, manifest, hashes=hashes)
+        found.append(Found(location, step, manifest, issues, written=manifest is not None))
+    return found
+
+
+def newest_committed(root: str | Path, *, below: int | None = None) -> Found | None:
+    """The committed checkpoint with the highest step (under `below`, when given), or None."""
+    committed = [
+        found
+        for found in inventory(root)
+        if found.state == "committed" and (below is None or found.step < below)
+    ]
+    return committed[-1] if committed else None
+
+
 # --- local paths and URLs alike
 
 
@@ -135,7 +251,7 @@ def _open(location: str | Path) -> Any:
 
 def _size(location: str | Path) -> int | None:
     if is_url(location):
-        fs, path = _filesystem(str(location))
+        fs, path = filesystem(str(location))
         try:
             return int(fs.info(path)["size"])
         except FileNotFoundError:
@@ -154,7 +270,8 @@ def _sha256(handle: Any) -> str:
     return digest.hexdigest()
 
 
-def _filesystem(url: str) -> tuple[Any, str]:
+def filesystem(url: str) -> tuple[Any, str]:
+    """The fsspec filesystem of `url` and the path in it."""
     import fsspec  # only remote locations pay for fsspec
 
     return fsspec.core.url_to_fs(url)

@@ -9,7 +9,9 @@ from torch's, numpy's or Python's global generators) it would have had the run n
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,16 +19,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rollout.files import is_url
 from rollout.runtime import transport
 from rollout.runtime.checkpoint import (
+    CheckpointError,
     Extra,
-    latest_checkpoint,
+    Staged,
+    commit_checkpoint,
     load_checkpoint,
+    prune,
     rng_state,
-    save_checkpoint,
     set_rng_state,
+    stage_checkpoint,
 )
 from rollout.runtime.data import PromptStream
+from rollout.runtime.manifest import Found, inventory, plan_fingerprint
 
 if TYPE_CHECKING:
     from rollout.models.lora import Adapters
@@ -60,46 +67,94 @@ class RunState:
         trainer_state: Mapping[str, Any] | None = None,
     ) -> None:
         """Checkpoint `step` with the loop's own `trainer_state` beside the cursors and RNG
-        states; collective (every rank calls it)."""
+        states; collective (every rank calls it).
+
+        Under an object-store root the checkpoint is committed by an upload thread
+        (ctx.uploads) while the next steps train; the run store's record of it is written when
+        it is committed. perf/checkpoint_blocking_s is what the save held the loop up for."""
         # Everything recorded up to this step reaches the store before the checkpoint exists, so
         # a crash after it loses no metric or log line of the steps it covers.
         writer.flush()
         cursors = gather_by_rank(ctx, self.stream.state_dict())
         rng = gather_rng(ctx)
         if ctx.is_main and step > 0:
-            with_optimizer = ctx.plan.config.checkpoint.save_optimizer
-            path = save_checkpoint(
-                self.root,
-                step,
-                model=self.model,
-                tokenizer=self.tokenizer,
-                optimizer=self.optimizer if with_optimizer else None,
-                scheduler=self.scheduler if with_optimizer else None,
-                trainer_state={
-                    **(trainer_state or {}),
-                    "step": step,
-                    "cursor": cursors,
-                    "rng": rng,
-                },
-                keep_last=ctx.plan.config.checkpoint.keep_last,
-                extras=self.extras,
-                adapters=self.adapters,
-            )
-            writer.write_checkpoint(ctx.plan.run_id, step, str(path))
-            log.info("checkpoint %s", path)
+            started = time.perf_counter()
+            ctx.uploads.wait()  # the previous upload is committed (or its failure raised) first
+            staged = self._stage(ctx, step, cursors, rng, trainer_state)
+            commit = functools.partial(self._commit, ctx, writer, staged)
+            if is_url(self.root):
+                ctx.uploads.start(f"upload of checkpoint step {step}", commit)
+            else:
+                commit()
+            blocking = time.perf_counter() - started
+            writer.write_metrics(ctx.plan.run_id, step, {"perf/checkpoint_blocking_s": blocking})
         if ctx.world_size > 1:
             transport.wait_for_every_rank()
 
+    def _stage(
+        self,
+        ctx: WorkerContext,
+        step: int,
+        cursors: dict[str, Any],
+        rng: dict[str, Any],
+        trainer_state: Mapping[str, Any] | None,
+    ) -> Staged:
+        with_optimizer = ctx.plan.config.checkpoint.save_optimizer
+        return stage_checkpoint(
+            self.root,
+            step,
+            model=self.model,
+            tokenizer=self.tokenizer,
+            optimizer=self.optimizer if with_optimizer else None,
+            scheduler=self.scheduler if with_optimizer else None,
+            trainer_state={**(trainer_state or {}), "step": step, "cursor": cursors, "rng": rng},
+            extras=self.extras,
+            adapters=self.adapters,
+            run_id=ctx.plan.run_id,
+            plan=plan_fingerprint(ctx.plan),
+        )
+
+    def _commit(self, ctx: WorkerContext, writer: BackgroundWriter, staged: Staged) -> None:
+        """Publish, then retention, then the store's record: in that order, so that neither
+        ever names or deletes for a checkpoint that is not committed."""
+        started = time.perf_counter()
+        location = commit_checkpoint(staged)
+        prune(self.root, ctx.plan.config.checkpoint.keep_last)
+        writer.write_checkpoint(ctx.plan.run_id, staged.step, str(location))
+        writer.write_metrics(
+            ctx.plan.run_id,
+            staged.step,
+            {"perf/checkpoint_commit_s": time.perf_counter() - started},
+        )
+        log.info("checkpoint %s committed", location)
+
     def resume(self, ctx: WorkerContext) -> dict[str, Any] | None:
-        """Restore the latest complete checkpoint, if any, and return its trainer state (its
-        "step" and what the loop saved with it); None for a fresh run."""
-        latest = latest_checkpoint(self.root)
-        if latest is None:
-            return None
+        """Restore the newest good checkpoint, if any, and return its trainer state (its "step"
+        and what the loop saved with it); None for a fresh run.
+
+        Newer checkpoints that were never committed or are damaged are skipped, each with a
+        warning in the run's logs naming what is wrong. A checkpoint of another plan is refused
+        (CheckpointError): resuming it would train some other run on."""
+        fingerprint = plan_fingerprint(ctx.plan)
+        for found in reversed(inventory(self.root)):
+            if found.problems:
+                _skip(found.location, found.problems)
+                continue
+            _refuse_another_plan(ctx, self.root, found, fingerprint)
+            try:
+                state = self._load(ctx, found.location)
+            except CheckpointError as error:  # a hash that does not match: checked before use
+                _skip(found.location, [str(error)])
+                continue
+            log.info("resumed from %s at step %d", found.location, state["step"])
+            return state
+        return None
+
+    def _load(self, ctx: WorkerContext, location: str | Path) -> dict[str, Any]:
         # Saved without optimizer state (checkpoint.save_optimizer = false): fresh ones.
         with_optimizer = ctx.plan.config.checkpoint.save_optimizer
         state = load_checkpoint(
-            latest,
+            location,
             model=self.model,
             optimizer=self.optimizer if with_optimizer else None,
             scheduler=self.scheduler if with_optimizer else None,
@@ -115,13 +170,30 @@ class RunState:
                 log.warning(
                     "%s holds no RNG state for rank %d: its random draws will differ from an "
                     "uninterrupted run's",
-                    latest,
+                    location,
                     ctx.rank,
                 )
             else:
                 set_rng_state(rng[str(ctx.rank)])
-        log.info("resumed from %s at step %d", latest, state["step"])
         return state
+
+
+def _skip(location: str | Path, problems: list[str]) -> None:
+    log.warning("skipping checkpoint %s: %s", location, "; ".join(problems))
+
+
+def _refuse_another_plan(ctx: WorkerContext, root: str | Path, found: Found, ours: str) -> None:
+    assert found.manifest is not None  # committed
+    theirs = found.manifest["plan"]
+    if theirs == ours:
+        return
+    raise CheckpointError(
+        f"{found.location} was saved by another plan (run {found.manifest['run_id']}, plan "
+        f"fingerprint {theirs[:12]}), and this run {ctx.plan.run_id} has plan fingerprint "
+        f"{ours[:12]}: their base model, LoRA shape, algorithm, training data or number of "
+        f"ranks differ, so it cannot be resumed. Give this run a storage.artifacts of its own, "
+        f"or move the checkpoints out of {root} to start fresh"
+    )
 
 
 def gather_by_rank(ctx: WorkerContext, value: Any) -> dict[str, Any]:

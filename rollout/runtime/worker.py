@@ -71,8 +71,12 @@ def main(argv: list[str] | None = None) -> int:
             from rollout.runtime.online.trainer import train
 
         train(context, writer)
+        context.uploads.wait()  # the last checkpoint is committed before the run ends
         return 0
     except BaseException as error:  # the traceback must reach the user, whatever it was
+        # An upload in flight still ends (committed, or its failure logged) before the worker
+        # does, and never in place of this error.
+        context.uploads.wait_quietly()
         text = redact_text("".join(traceback.format_exception(error)))
         path = error_file(plan.derived.run_dir, context.rank)
         path.parent.mkdir(parents=True, exist_ok=True)

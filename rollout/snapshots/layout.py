@@ -34,26 +34,14 @@ CHECKPOINT_DIR = "checkpoint"
 RECORDS_DIR = "records"
 PROCESSES_DIR = "processes"
 STEP_DIR = re.compile(r"step-(\d+)")
-COMPLETE = "COMPLETE"
-"""The marker that commits a checkpoint until manifest.json does (rollout.runtime.checkpoint)."""
-COMMIT_FILES = (COMPLETE, manifest.MANIFEST)
+COMMIT_FILES = (manifest.MANIFEST,)
 """Written after every other file of a directory: what commits it, for a checkpoint and for a
-snapshot (whose readers look for them first)."""
+snapshot (whose readers look for it first)."""
 
 
 def checkpoint_problems(checkpoint: str | Path) -> list[str]:
-    """What is wrong with a checkpoint, in words; empty when it is committed and intact.
-
-    Committed by its manifest (checked file by file), or, as rollout.runtime.checkpoint writes
-    them until it commits by manifest, by its COMPLETE marker.
-    """
-    found = manifest.problems(checkpoint)
-    if not found:
-        return []
-    with contextlib.suppress(ValueError):
-        if manifest.read_manifest(checkpoint) is None and exists(join(checkpoint, COMPLETE)):
-            return []
-    return found
+    """What is wrong with a checkpoint, in words; empty when it is committed and intact."""
+    return manifest.problems(checkpoint)
 
 
 def step_of(checkpoint: str | Path) -> int:

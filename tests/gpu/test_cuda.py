@@ -146,7 +146,7 @@ def test_a_killed_grpo_run_resumes_on_cuda(workdir):
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     deadline = time.monotonic() + 300
-    while not list((workdir / "runs").glob("*/checkpoints/step-000002/COMPLETE")):
+    while not list((workdir / "runs").glob("*/checkpoints/step-000002/manifest.json")):
         assert host.poll() is None, "the run ended before it could be killed"
         assert time.monotonic() < deadline, "no checkpoint at step 2 within 300 s"
         time.sleep(0.05)

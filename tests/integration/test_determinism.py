@@ -139,7 +139,7 @@ def _wait_for_checkpoint(runs: Path, *, step: int, process: subprocess.Popen) ->
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while time.monotonic() < deadline:
         assert process.poll() is None, "the run ended before it could be killed"
-        if list(runs.glob(f"*/checkpoints/step-{step:06d}/COMPLETE")):
+        if list(runs.glob(f"*/checkpoints/step-{step:06d}/manifest.json")):
             return
         time.sleep(0.1)
     raise AssertionError(f"no checkpoint at step {step} within {RUN_TIMEOUT_S} s")

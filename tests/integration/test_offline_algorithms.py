@@ -186,7 +186,7 @@ def _wait_for_checkpoint(workdir: Path, *, step: int, process: subprocess.Popen)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         assert process.poll() is None, "the run ended before it could be killed"
-        if list((workdir / "runs").glob(f"*/checkpoints/step-{step:06d}/COMPLETE")):
+        if list((workdir / "runs").glob(f"*/checkpoints/step-{step:06d}/manifest.json")):
             return
         time.sleep(0.05)
     raise AssertionError(f"no checkpoint at step {step} within 240 s")

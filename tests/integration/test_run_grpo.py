@@ -129,7 +129,7 @@ def test_a_cancelled_run_is_marked_stopped_and_keeps_its_work(workdir):
     _, record = only_run(workdir)
     assert record.status == "stopped"
     # The workers checkpointed the step they had finished before exiting.
-    assert list((workdir / "runs" / run_id / "checkpoints").glob("step-*/COMPLETE"))
+    assert list((workdir / "runs" / run_id / "checkpoints").glob("step-*/manifest.json"))
     assert not processes_mentioning(str(workdir)), "a worker outlived its run"
 
 

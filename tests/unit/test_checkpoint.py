@@ -3,7 +3,9 @@ loadable by transformers, and free of pickle."""
 
 from __future__ import annotations
 
+import os
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,12 +16,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from rollout.runtime import checkpoint
 from rollout.runtime.checkpoint import (
-    COMPLETE,
+    CheckpointError,
     latest_checkpoint,
     load_checkpoint,
     prune,
     save_checkpoint,
 )
+from rollout.runtime.manifest import MANIFEST
 
 VOCAB = 64
 BATCH = torch.tensor([[1, 5, 9, 13, 2], [3, 4, 60, 7, 8]])
@@ -184,10 +187,10 @@ def test_saved_model_loads_with_from_pretrained(tmp_path: Path, tokenizer):
 def test_no_file_in_a_checkpoint_is_a_pickle(tmp_path: Path, tokenizer):
     path = Training(seed=0).save(tmp_path, 1, tokenizer)
     files = [file for file in path.rglob("*") if file.is_file()]
-    assert {file.name for file in files} >= {COMPLETE, "optimizer.safetensors", "trainer.json"}
+    assert {file.name for file in files} >= {MANIFEST, "optimizer.safetensors", "trainer.json"}
     for file in files:
         assert file.suffix in {".json", ".safetensors"} or file.name in {
-            COMPLETE,
+            MANIFEST,
             *TOKENIZER_FILES,
         }, file
         head = file.read_bytes()[:4]
@@ -205,12 +208,16 @@ def test_a_crash_mid_save_keeps_the_previous_checkpoint(tmp_path: Path, tokenize
 
     with monkeypatch.context() as patch:
         patch.setattr(checkpoint, "_save_rng", disk_full)
-        with pytest.raises(OSError, match="No space left"):
+        with pytest.raises(
+            CheckpointError, match=r"No space left.*newest good checkpoint is step 1"
+        ):
             training.save(tmp_path, 2, tokenizer)
 
     assert latest_checkpoint(tmp_path) == first
-    (temp,) = [entry for entry in tmp_path.iterdir() if entry.name.startswith(".step-000002.tmp-")]
-    assert (temp / "model" / "model.safetensors").is_file() and not (temp / COMPLETE).exists()
+    # What was staged is gone; a crash (no chance to clean up) would leave a temp directory,
+    # which the next save deletes.
+    assert [entry.name for entry in tmp_path.iterdir()] == ["step-000001"]
+    (tmp_path / ".step-000002.tmp-crashed").mkdir()
 
     # The next save cleans the leftovers up.
     second = training.save(tmp_path, 2, tokenizer)
@@ -222,7 +229,9 @@ def test_a_directory_without_the_marker_is_not_a_checkpoint(tmp_path: Path, toke
     first = Training(seed=0).save(tmp_path, 1, tokenizer)
     (tmp_path / "step-000009").mkdir()
     assert latest_checkpoint(tmp_path) == first
-    with pytest.raises(ValueError, match="not a complete checkpoint"):
+    with pytest.raises(
+        CheckpointError, match=r"no manifest\.json.*newest good checkpoint is step 1"
+    ):
         Training(seed=0).load(tmp_path / "step-000009")
 
 
@@ -347,8 +356,11 @@ def test_rng_state_as_json_round_trips():
 
 
 class Writer:
+    """Stands in for the run store's background writer: what reached it, in order."""
+
     def __init__(self):
         self.checkpoints: list[int] = []
+        self.metrics: dict[int, dict[str, float]] = {}
 
     def flush(self) -> None:
         pass
@@ -356,16 +368,34 @@ class Writer:
     def write_checkpoint(self, run_id: str, step: int, location: str) -> None:
         self.checkpoints.append(step)
 
+    def write_metrics(self, run_id: str, step: int, values) -> None:
+        self.metrics.setdefault(step, {}).update(values)
 
-def rank_context(rank: int, world: int):
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def plan():
+    """A real plan (the repository's plan.lock.example: tiny GRPO, one rank)."""
+    from rollout.planner.lockfile import read_plan
+
+    return read_plan(REPO / "plan.lock.example", check_fresh=False)
+
+
+def rank_context(rank: int, world: int, plan, *, keep_last: int = 2):
     from types import SimpleNamespace
 
-    config = SimpleNamespace(checkpoint=SimpleNamespace(save_optimizer=True, keep_last=2))
+    from rollout.runtime.uploads import Uploads
+
+    checkpoint_section = plan.config.checkpoint.model_copy(update={"keep_last": keep_last})
+    config = plan.config.model_copy(update={"checkpoint": checkpoint_section})
     return SimpleNamespace(
         rank=rank,
         world_size=world,
         is_main=rank == 0,
-        plan=SimpleNamespace(run_id="run", config=config),
+        plan=plan.model_copy(update={"config": config}),
+        uploads=Uploads(),
     )
 
 
@@ -379,7 +409,9 @@ def run_state(root: Path, tokenizer, rank: int, *, seed: int = 0):
     return RunState(root, training.model, tokenizer, training.optimizer, training.scheduler, stream)
 
 
-def test_every_rank_resumes_its_cursor_and_its_own_rng(tmp_path: Path, tokenizer, monkeypatch):
+def test_every_rank_resumes_its_cursor_and_its_own_rng(
+    tmp_path: Path, tokenizer, plan, monkeypatch
+):
     """Rank 0 saves for two ranks (the gathers stand in for the collectives); each rank then
     resumes its own data cursor and draws what it would have drawn had the run gone on."""
     import json
@@ -400,72 +432,379 @@ def test_every_rank_resumes_its_cursor_and_its_own_rng(tmp_path: Path, tokenizer
     monkeypatch.setattr(module.transport.dist, "barrier", lambda: None)
     torch.manual_seed(10)  # rank 0's
     writer = Writer()
-    ranks[0].save(rank_context(0, 2), writer, 4, {"policy_version": 4})
+    ranks[0].save(rank_context(0, 2, plan), writer, 4, {"policy_version": 4})
     rank0_draws = torch.rand(3)
     assert writer.checkpoints == [4]
 
     for rank, draws in ((0, rank0_draws), (1, rank1_draws)):
         resumed = run_state(tmp_path, tokenizer, rank, seed=1)
         torch.manual_seed(99)  # what a restarted worker seeds before resuming
-        state = resumed.resume(rank_context(rank, 2))
+        state = resumed.resume(rank_context(rank, 2, plan))
         assert state["step"] == 4 and state["policy_version"] == 4
         assert torch.equal(torch.rand(3), draws), rank
         assert resumed.stream.take(2) == ranks[rank].stream.take(2)
         assert_same_weights(resumed.model, ranks[0].model)
 
 
-def test_a_fresh_run_has_nothing_to_resume(tmp_path: Path, tokenizer):
-    assert run_state(tmp_path / "checkpoints", tokenizer, 0).resume(rank_context(0, 2)) is None
+def test_a_fresh_run_has_nothing_to_resume(tmp_path: Path, tokenizer, plan):
+    assert (
+        run_state(tmp_path / "checkpoints", tokenizer, 0).resume(rank_context(0, 2, plan)) is None
+    )
 
 
-# --- fsspec artifact roots (storage.artifacts = "s3://...", "gs://...") ---------------------------
+# --- Committed by manifest, on every kind of root (local, S3 and GCS over the wire) --------------
+
+
+def _fs(location: str):
+    import fsspec
+
+    return fsspec.core.url_to_fs(location)
+
+
+def _read(location: str | Path, name: str) -> bytes:
+    if isinstance(location, Path):
+        return (location / name).read_bytes()
+    fs, path = _fs(location)
+    return fs.cat_file(f"{path}/{name}")
+
+
+def _write(location: str | Path, name: str, data: bytes) -> None:
+    if isinstance(location, Path):
+        (location / name).write_bytes(data)
+    else:
+        fs, path = _fs(location)
+        fs.pipe_file(f"{path}/{name}", data)
+
+
+def _remove(location: str | Path, name: str) -> None:
+    if isinstance(location, Path):
+        (location / name).unlink()
+    else:
+        fs, path = _fs(location)
+        fs.rm_file(f"{path}/{name}")
+
+
+def _flip_a_byte(location: str | Path, name: str) -> None:
+    data = bytearray(_read(location, name))
+    data[len(data) // 2] ^= 0xFF
+    _write(location, name, bytes(data))
+
+
+def test_a_checkpoint_is_committed_by_its_manifest(artifact_root, tokenizer):
+    import hashlib
+
+    from rollout.runtime.manifest import problems, read_manifest
+
+    training = Training(seed=0)
+    training.step()
+    saved = save_checkpoint(
+        artifact_root,
+        2,
+        model=training.model,
+        tokenizer=tokenizer,
+        optimizer=training.optimizer,
+        scheduler=training.scheduler,
+        trainer_state={"step": 2},
+        keep_last=2,
+        run_id="run-a",
+        plan="f" * 64,
+    )
+    manifest = read_manifest(saved)
+    assert (manifest["step"], manifest["run_id"], manifest["plan"]) == (2, "run-a", "f" * 64)
+    assert {"model/model.safetensors", "optimizer.safetensors", "trainer.json"} <= set(
+        manifest["files"]
+    )
+    assert MANIFEST not in manifest["files"]
+    for name, entry in manifest["files"].items():
+        data = _read(saved, name)
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+    assert problems(saved) == []
+    restored = Training(seed=5)
+    assert restored.load(saved) == {"step": 2}
+    assert_same_weights(restored.model, training.model)
+
+
+def test_a_damaged_checkpoint_is_never_loaded_and_the_error_names_the_good_one(
+    artifact_root, tokenizer
+):
+    from rollout.runtime.manifest import inventory
+
+    training = Training(seed=0)
+    first = training.save(artifact_root, 1, tokenizer)
+    training.step()
+    second = training.save(artifact_root, 2, tokenizer)
+    third = training.save(artifact_root, 3, tokenizer)
+    _flip_a_byte(second, "optimizer.safetensors")  # corrupted: same size, other bytes
+    data = _read(third, "model/model.safetensors")
+    _write(third, "model/model.safetensors", data[: len(data) // 2])  # truncated
+
+    fresh = Training(seed=9)
+    before = {k: v.clone() for k, v in fresh.model.state_dict().items()}
+    with pytest.raises(CheckpointError) as corrupted:
+        fresh.load(second)
+    assert "optimizer.safetensors does not match its sha256" in str(corrupted.value)
+    assert f"newest good checkpoint is step 1: {first}" in str(corrupted.value)
+    with pytest.raises(
+        CheckpointError, match=r"model/model.safetensors has .* bytes; its manifest"
+    ):
+        fresh.load(third)
+    for key, value in fresh.model.state_dict().items():  # refused before anything was restored
+        assert torch.equal(value, before[key]), key
+
+    states = {found.step: found.state for found in inventory(artifact_root, hashes=True)}
+    assert states == {1: "committed", 2: "damaged", 3: "damaged"}
+    # Sizes only (what listing and latest_checkpoint check): the flipped byte needs the hashes.
+    assert latest_checkpoint(artifact_root) == second
+
+
+def test_without_its_manifest_a_checkpoint_is_uncommitted(artifact_root, tokenizer):
+    from rollout.runtime.manifest import inventory
+
+    training = Training(seed=0)
+    first = training.save(artifact_root, 1, tokenizer)
+    second = training.save(artifact_root, 2, tokenizer)
+    _remove(second, MANIFEST)  # an upload cut short before its manifest
+    assert latest_checkpoint(artifact_root) == first
+    assert [f.state for f in inventory(artifact_root)] == ["committed", "uncommitted"]
+    with pytest.raises(CheckpointError, match=f"no {MANIFEST}.*step 1"):
+        Training(seed=1).load(second)
+    # The next save of that step replaces what was left of it.
+    assert training.save(artifact_root, 2, tokenizer) == second
+    assert latest_checkpoint(artifact_root) == second
+
+
+def test_retention_counts_only_committed_checkpoints(artifact_root, tokenizer):
+    from rollout.runtime.manifest import inventory
+
+    training = Training(seed=0)
+    for step in (1, 2, 3):
+        training.save(artifact_root, step, tokenizer, keep_last=2)
+    assert [f.step for f in inventory(artifact_root)] == [2, 3]
+    _remove(checkpoint_at(artifact_root, 3), MANIFEST)
+    # Step 3 is not committed: it does not count, so step 2 survives step 4's save.
+    training.save(artifact_root, 4, tokenizer, keep_last=2)
+    assert [(f.step, f.state) for f in inventory(artifact_root)] == [
+        (2, "committed"),
+        (4, "committed"),
+    ]
+
+
+def checkpoint_at(root: str | Path, step: int) -> str | Path:
+    name = f"step-{step:06d}"
+    return f"{root}/{name}" if "://" in str(root) else Path(root) / name
 
 
 @pytest.fixture
-def remote_root():
-    """A root on fsspec's in-memory filesystem: the same calls s3fs and gcsfs answer (put_file,
-    ls, find, get_file, rm), never a local directory named after the URL."""
-    import fsspec
-
-    root = f"memory://checkpoints-{random.getrandbits(32):08x}"
-    yield root
-    fs = fsspec.filesystem("memory")
-    if fs.exists(root.removeprefix("memory://")):
-        fs.rm(root.removeprefix("memory://"), recursive=True)
+def as_root():
+    """Paths as the checkpoint module gives them back: Path under a local root, URL otherwise."""
+    return lambda root: root if "://" in str(root) else Path(root)
 
 
-def test_a_remote_root_round_trips_and_prunes_like_a_local_one(
-    remote_root, tokenizer, tmp_path, monkeypatch
+# --- Resuming: the newest good checkpoint, never another plan's ---------------------------------
+
+
+def _resumable(root, tokenizer, *, seed: int = 0):
+    from rollout.runtime.data import PromptStream
+    from rollout.runtime.run_state import RunState
+
+    training = Training(seed=seed)
+    stream = PromptStream([{"i": i} for i in range(10)], seed=7, shuffle=True)
+    state = RunState(
+        root, training.model, tokenizer, training.optimizer, training.scheduler, stream
+    )
+    return training, state
+
+
+def test_resume_skips_damaged_newer_checkpoints_with_a_warning(
+    artifact_root, tokenizer, plan, as_root, caplog
 ):
-    monkeypatch.chdir(tmp_path)  # a URL mistaken for a path would show up here
-    training = Training(seed=0)
+    root = as_root(artifact_root)
+    training, state = _resumable(root, tokenizer)
+    ctx = rank_context(0, 1, plan, keep_last=5)
+    writer = Writer()
     for step in (1, 2, 3):
         training.step()
-        saved = training.save(remote_root, step, tokenizer, keep_last=2, note=step)
-        assert saved == f"{remote_root}/step-{step:06d}"
-    assert latest_checkpoint(remote_root) == f"{remote_root}/step-000003"
-    assert checkpoint._step_dirs(remote_root) == [
-        f"{remote_root}/step-000002",
-        f"{remote_root}/step-000003",
-    ]
-    assert not any(tmp_path.iterdir()), "nothing may land in a local directory named after a URL"
+        state.stream.take(2)
+        state.save(ctx, writer, step)
+        if step == 1:
+            weights_at_1 = {k: v.clone() for k, v in training.model.state_dict().items()}
+    ctx.uploads.wait()
+    assert writer.checkpoints == [1, 2, 3]
+    _flip_a_byte(checkpoint_at(root, 3), "model/model.safetensors")
+    _remove(checkpoint_at(root, 2), MANIFEST)
 
-    restored = Training(seed=7)
-    state = restored.load(latest_checkpoint(remote_root))
-    assert state["note"] == 3
-    assert_same_weights(restored.model, training.model)
-    assert_same(restored.optimizer.state_dict(), training.optimizer.state_dict())
+    resumed_training, resumed = _resumable(root, tokenizer, seed=4)
+    with caplog.at_level("WARNING", logger="rollout.checkpoint"):
+        saved = resumed.resume(rank_context(0, 1, plan))
+    assert saved["step"] == 1
+    for key, value in resumed_training.model.state_dict().items():
+        assert torch.equal(value, weights_at_1[key]), key
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("step-000003" in w and "does not match its sha256" in w for w in warnings)
+    assert any("step-000002" in w and f"no {MANIFEST}" in w for w in warnings)
 
 
-def test_a_remote_checkpoint_without_its_marker_is_not_one(remote_root, tokenizer):
+def test_a_checkpoint_of_another_plan_is_refused(artifact_root, tokenizer, plan, as_root):
+    root = as_root(artifact_root)
+    _, state = _resumable(root, tokenizer)
+    ctx = rank_context(0, 1, plan)
+    state.save(ctx, Writer(), 1)
+    ctx.uploads.wait()
+
+    # Another model (a fingerprint of other weights): resuming would train something else on.
+    other_model = plan.model.model_copy(update={"fingerprint": "0" * 64})
+    other = plan.model_copy(update={"model": other_model, "run_id": "other-run"})
+    with pytest.raises(CheckpointError) as refused:
+        _resumable(root, tokenizer)[1].resume(rank_context(0, 1, other))
+    message = str(refused.value)
+    assert "saved by another plan" in message and plan.run_id in message
+    assert "other-run" in message and "storage.artifacts" in message
+
+    # A harmless re-plan (new run id, more steps, another learning rate) resumes.
+    algorithm = plan.config.algorithm.model_copy(update={"max_steps": 99, "lr": 1e-3})
+    replanned = plan.model_copy(
+        update={
+            "run_id": "replanned",
+            "created_at": "2027-01-01T00:00:00Z",
+            "config": plan.config.model_copy(update={"algorithm": algorithm}),
+        }
+    )
+    assert _resumable(root, tokenizer)[1].resume(rank_context(0, 1, replanned))["step"] == 1
+
+
+# --- Uploads off the critical path --------------------------------------------------------------
+
+
+def test_an_object_store_checkpoint_is_committed_by_an_upload_thread(
+    s3_bucket, tokenizer, plan, monkeypatch
+):
+    """The save returns once staged; parts, then the manifest, then retention, then the store's
+    record follow on the upload thread; the next save waits for it (one upload in flight)."""
+    import threading
+
+    from rollout.runtime import run_state as module
+    from rollout.runtime.manifest import inventory
+
+    root = f"{s3_bucket}/ckpt"
+    training, state = _resumable(root, tokenizer)
+    ctx = rank_context(0, 1, plan, keep_last=1)
+    writer = Writer()
+    release = threading.Event()
+    commit = module.commit_checkpoint
+
+    def held_commit(staged):  # the upload waits until the test has looked
+        release.wait(30)
+        return commit(staged)
+
+    monkeypatch.setattr(module, "commit_checkpoint", held_commit)
+    state.save(ctx, writer, 1)
+    assert ctx.uploads.in_flight  # the next save would wait for it: one upload in flight
+    assert writer.checkpoints == []  # not committed: not recorded
+    assert latest_checkpoint(root) is None
+    assert writer.metrics[1]["perf/checkpoint_blocking_s"] > 0
+    # Training goes on while step 1 uploads: the checkpoint holds the weights of step 1.
+    at_step_1 = {k: v.clone() for k, v in training.model.state_dict().items()}
+    training.step()
+    release.set()
+    ctx.uploads.wait()
+    restored = Training(seed=3)
+    restored.load(f"{root}/step-000001")
+    for key, value in restored.model.state_dict().items():
+        assert torch.equal(value, at_step_1[key]), key
+    state.save(ctx, writer, 2)
+    ctx.uploads.wait()
+    assert writer.checkpoints == [1, 2]
+    assert writer.metrics[2]["perf/checkpoint_commit_s"] > 0
+    assert [(f.step, f.state) for f in inventory(root)] == [(2, "committed")]
+
+
+def test_a_bucket_gone_mid_upload_fails_the_save_clearly(s3_bucket, tokenizer, plan):
     import fsspec
 
+    from rollout.runtime.checkpoint import commit_checkpoint, stage_checkpoint
+
+    root = f"{s3_bucket}/ckpt"
+    training, state = _resumable(root, tokenizer)
+    ctx = rank_context(0, 1, plan)
+    writer = Writer()
+    state.save(ctx, writer, 1)
+    ctx.uploads.wait()
+    staged = stage_checkpoint(
+        root,
+        2,
+        model=training.model,
+        tokenizer=tokenizer,
+        optimizer=None,
+        scheduler=None,
+        trainer_state={},
+    )
+    fs = fsspec.filesystem("s3")
+    fs.rm(s3_bucket.removeprefix("s3://"), recursive=True)  # the bucket, deleted
+    with pytest.raises(CheckpointError) as failed:
+        commit_checkpoint(staged)
+    assert f"checkpoint step 2 was not saved under {root}: committing it failed" in str(
+        failed.value
+    )
+    assert not staged.directory.exists()  # nothing staged is left behind
+
+
+def test_a_failed_upload_is_raised_at_the_next_save_and_logged_at_once(
+    s3_bucket, tokenizer, plan, caplog
+):
+    import fsspec
+
+    root = f"{s3_bucket}/ckpt"
+    _, state = _resumable(root, tokenizer)
+    ctx = rank_context(0, 1, plan)
+    writer = Writer()
+    fsspec.filesystem("s3").rm(s3_bucket.removeprefix("s3://"), recursive=True)
+    with caplog.at_level("ERROR", logger="rollout.checkpoint"):
+        state.save(ctx, writer, 1)  # staged fine; the upload fails on its thread
+        while ctx.uploads.in_flight:
+            time.sleep(0.05)
+    assert any("upload of checkpoint step 1 failed" in r.getMessage() for r in caplog.records)
+    with pytest.raises(CheckpointError, match="checkpoint step 1 was not saved"):
+        state.save(ctx, writer, 2)
+    assert writer.checkpoints == []
+
+
+# --- A full disk -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 2 MiB tmpfs (skips where mounting is not permitted); always unmounted."""
+    import subprocess
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_fails_the_save_and_keeps_the_previous_checkpoint(small_disk, tokenizer):
+    from rollout.runtime.manifest import inventory, problems
+
+    root = small_disk / "checkpoints"
     training = Training(seed=0)
-    training.save(remote_root, 1, tokenizer)
-    saved = training.save(remote_root, 2, tokenizer)
-    fs = fsspec.filesystem("memory")
-    fs.rm(saved.removeprefix("memory://") + f"/{COMPLETE}")  # an upload cut short
-    assert latest_checkpoint(remote_root) == f"{remote_root}/step-000001"
-    # The next save of that step replaces what was left of it.
-    training.save(remote_root, 2, tokenizer)
-    assert latest_checkpoint(remote_root) == f"{remote_root}/step-000002"
+    first = training.save(root, 1, tokenizer)
+    free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+    (small_disk / "filler").write_bytes(b"\0" * (free - 64 * 1024))  # leave 64 KiB
+    training.step()
+    with pytest.raises(CheckpointError) as full:
+        training.save(root, 2, tokenizer)
+    message = str(full.value)
+    assert "checkpoint step 2 was not saved" in message and "No space left" in message
+    assert f"newest good checkpoint is step 1: {first}" in message
+    assert [f.step for f in inventory(root)] == [1] and problems(first) == []
+    assert [entry.name for entry in root.iterdir()] == ["step-000001"]  # nothing half-written
+    Training(seed=3).load(first)

@@ -85,7 +85,7 @@ def test_model_and_checkpoint_are_exclusive_and_one_is_needed(tmp_path):
 
 def test_checkpoint_must_be_complete(tmp_path):
     step = tmp_path / "checkpoints" / "step-000004"
-    (step / "model").mkdir(parents=True)  # no COMPLETE: the save was cut short
+    (step / "model").mkdir(parents=True)  # no manifest.json: the save was cut short
     with pytest.raises(RolloutError) as caught:
         choose_model(config=None, checkpoint=str(step))
     assert "not a complete checkpoint" in issues(caught)["--checkpoint"]

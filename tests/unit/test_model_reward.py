@@ -17,6 +17,7 @@ from rollout.planner.builder import build_plan
 from rollout.planner.lockfile import read_plan, write_plan
 from rollout.planner.reward_model import resolve_reward_model
 from rollout.runtime.components import build_reward_functions
+from rollout.runtime.manifest import MANIFEST, build_manifest, manifest_bytes
 from rollout.runtime.offline.objectives import build_reward_model
 
 
@@ -35,8 +36,9 @@ def saved_run(tiny_llama, tmp_path_factory) -> Path:
         directory = run / "checkpoints" / f"step-{step:06d}" / "model"
         model.save_pretrained(directory)
         tiny_llama.tokenizer.save_pretrained(directory)
-        if complete:
-            (directory.parent / "COMPLETE").touch()
+        if complete:  # committed: its manifest written last, as a run's save does
+            manifest = build_manifest(directory.parent, step=step, run_id="rm", plan="")
+            (directory.parent / MANIFEST).write_bytes(manifest_bytes(manifest))
     return run
 
 

@@ -41,7 +41,8 @@ def made_run(tmp_path, config_file, base_config, rollout_cache):
     (checkpoint / "model").mkdir(parents=True)
     (checkpoint / "model" / "model.safetensors").write_bytes(os.urandom(4096))
     (checkpoint / "trainer.json").write_text(json.dumps({"step": 2}))
-    (checkpoint / "COMPLETE").touch()
+    committed = manifest.build_manifest(checkpoint, step=2, run_id=RUN, plan="p")
+    (checkpoint / manifest.MANIFEST).write_bytes(manifest.manifest_bytes(committed))
     with open_store(plan.derived.store) as store:
         store.create_run(
             RUN,
@@ -104,7 +105,7 @@ def test_a_restored_run_is_in_the_new_store_with_its_checkpoint_and_a_plan_run_a
     assert plan.run_id == "t-new" and plan.derived.store == location
     assert plan.derived.artifacts == str(tmp_path / "elsewhere" / "t-new")
     assert plan.config.storage.sqlite_path == str(tmp_path / "other" / "rollout.db")
-    assert (tmp_path / "elsewhere" / "t-new" / "step-000002" / "COMPLETE").is_file()
+    assert (tmp_path / "elsewhere" / "t-new" / "step-000002" / manifest.MANIFEST).is_file()
     with open_store(location, create=False) as store:
         run = store.get_run("t-new")
         assert run.plan_sha256 == json.loads(plan_path.read_text())["sha256"]
@@ -135,7 +136,7 @@ def test_an_unknown_run_is_refused(made_run):
 
 
 def test_a_run_without_a_checkpoint_is_refused(made_run):
-    (Path(made_run.derived.artifacts) / "step-000002" / "COMPLETE").unlink()
+    (Path(made_run.derived.artifacts) / "step-000002" / manifest.MANIFEST).unlink()
     _refused(invoke("snapshot", "save", RUN, "--store", made_run.derived.store), "no committed")
 
 
