@@ -190,7 +190,7 @@ def test_plan_accepts_artifacts_in_a_bucket_and_leaves_no_probe(
 ):
     base_config["storage"] = {"artifacts": f"{bucket}/ckpt"}
     plan = build_plan(config_file(base_config), hardware=LAPTOP)
-    assert plan.derived.artifacts == f"{bucket}/ckpt"
+    assert plan.derived.artifacts == f"{bucket}/ckpt/{plan.run_id}"
     leftovers = fsspec.filesystem(kind_of(bucket)).find(bucket)
     assert not [name for name in leftovers if PROBE_PREFIX in name]
 
