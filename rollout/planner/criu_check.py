@@ -10,6 +10,7 @@ rollout/executor/criu.py asks again just before it dumps.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 
@@ -40,10 +41,27 @@ def criu_problem() -> str | None:
 
 
 def _complaint(output: str) -> str:
-    """CRIU's first error line (it prints many), without its timestamp prefix."""
+    """CRIU's first telling error (it prints many), without its location prefixes.
+
+    CRIU reports a failed helper first ("exited, status=1") and the cause after it ("vdso:
+    Unexpected rt vDSO area bounds"): the generic lines are skipped while a specific one follows.
+    """
     lines = [line.strip() for line in output.splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line or "error" in line]
-    first = (errors or lines or ["no output"])[0]
-    if first.startswith("(") and ")" in first:  # "(00.010) Error (criu/...): ..."
-        first = first.split(")", 1)[1].strip()
+    errors = [message for line in lines if (message := _message(line))] or lines or ["no output"]
+    telling = [line for line in errors if not _GENERIC.search(line)]
+    first = (telling or errors)[0]
     return first if len(first) <= 200 else first[:197] + "..."
+
+
+_GENERIC = re.compile(r"^exited, status=|^Could not initialize|failed when initializing")
+_PREFIXES = re.compile(r"^(\(\d+\.\d+\)\s*)?(Error|Warn)\s*\([^)]*\):\s*")
+
+
+def _message(line: str) -> str:
+    """'(00.010) Error (criu/vdso.c:381): vdso: ...' -> 'vdso: ...' ('' for a line that is not
+    an error or warning)."""
+    line = line.strip()
+    match = _PREFIXES.match(line)
+    if match is None:
+        return line if "error" in line.lower() else ""
+    return line[match.end() :]

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from rollout.cli.app import app
 from rollout.errors import PlanError
 from rollout.planner.builder import build_plan
-from rollout.planner.criu_check import criu_problem
+from rollout.planner.criu_check import _complaint, criu_problem
 from rollout.planner.lockfile import read_plan, write_plan
 from rollout.runtime import manifest
 from rollout.storage import open_store
@@ -261,3 +261,19 @@ def test_a_process_tree_with_a_tcp_connection_is_dumped_and_restored(tmp_path):
     tree.wait()
     done.touch()
     assert restore_processes(images) == 0
+
+
+def test_criu_complaint_names_the_cause_not_the_failed_helper():
+    # What `criu check` 3.17 prints on this project's machines (their vDSO layout).
+    output = (
+        "Error (criu/util.c:642): exited, status=1\n"
+        "Error (criu/vdso.c:381): vdso: Unexpected rt vDSO area bounds\n"
+        "Error (criu/vdso.c:613): vdso: Failed to fill self vdso symtable\n"
+        "Error (criu/kerndat.c:1615): kerndat_vdso_fill_symtable failed when initializing kerndat.\n"
+        "Error (criu/crtools.c:260): Could not initialize kernel features detection.\n"
+    )
+    assert _complaint(output) == "vdso: Unexpected rt vDSO area bounds"
+    assert _complaint("(00.004) Error (criu/cr-check.c:9): needs CAP_SYS_ADMIN") == (
+        "needs CAP_SYS_ADMIN"
+    )
+    assert _complaint("Looks bad\n") == "Looks bad"
