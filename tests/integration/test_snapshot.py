@@ -6,9 +6,11 @@ Each run starts Python and torch twice (host and worker): marked slow, as CI run
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -16,7 +18,7 @@ import pytest
 
 from rollout.runtime import manifest
 from rollout.storage import open_store
-from tests.integration.driver import environment, only_run, rollout
+from tests.integration.driver import environment, only_run, processes_mentioning, rollout, start
 
 pytestmark = pytest.mark.slow
 
@@ -152,3 +154,113 @@ def test_a_run_moves_from_sqlite_and_disk_to_postgres_and_s3_and_continues(
     with open_store(f"sqlite:{workdir / 'runs' / 'rollout.db'}", create=False) as old:
         assert old.get_run(run_id).status == "failed"
         assert old.get_run("moved-1") is None
+
+
+# --- a snapshot of a run that is still going
+
+LIVE_SETTINGS = (
+    *("--set", "algorithm.max_steps=200"),  # far more than the test lets it do
+    *("--set", "checkpoint.interval=1"),
+    *("--set", "checkpoint.keep_last=100"),  # no pruning: the checkpoint steps stay to compare
+    *("--set", "generation.max_new_tokens=4"),
+    *("--set", "data.eval=null"),
+    *("--set", "rewards=[{ fn = './slow.py:slow' }]"),  # 0.3 s a step: it is still running
+)
+
+
+def _store(workdir: Path):
+    return open_store(f"sqlite:{workdir / 'runs' / 'rollout.db'}", create=False)
+
+
+def _wait_until(what: str, found, process: subprocess.Popen, timeout: float = 240):
+    """found()'s first truthy answer, polled while `process` runs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()
+        with contextlib.suppress(FileNotFoundError):
+            answer = found()
+            if answer:
+                return answer
+        time.sleep(0.3)
+    raise AssertionError(f"{what} within {timeout} s")
+
+
+def _first_checkpoint(workdir: Path) -> str | None:
+    if not (workdir / "runs" / "rollout.db").exists():
+        return None
+    with _store(workdir) as store:
+        runs = store.list_runs()
+        return runs[0].run_id if runs and store.checkpoints(runs[0].run_id) else None
+
+
+def _resumed_at(workdir: Path, run_id: str) -> list[str]:
+    with _store(workdir) as store:
+        record = store.get_run(run_id)
+        if record is None or record.status != "running":
+            return []
+        return [line.message for line in store.logs(run_id, limit=100_000)]
+
+
+def _cancel(workdir: Path, run_id: str, process: subprocess.Popen) -> None:
+    cancelled = rollout(workdir, "runs", "cancel", run_id)
+    assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+
+
+def _ended(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.communicate()
+
+
+def test_a_running_run_is_snapshotted_at_a_committed_checkpoint_and_resumes_from_it(workdir):
+    host = start(workdir, "run", "--config", "examples/grpo-tiny.toml", *LIVE_SETTINGS)
+    try:
+        run_id = _wait_until("no checkpoint", lambda: _first_checkpoint(workdir), host)
+        saved = rollout(workdir, "snapshot", "save", run_id)
+        assert host.poll() is None, "the run ended before the snapshot: it proves nothing"
+        assert saved.returncode == 0, saved.stdout + saved.stderr
+        assert "is still running" in saved.stdout
+        _cancel(workdir, run_id, host)
+    finally:
+        _ended(host)
+
+    snapshot = Path(_last_line(saved.stdout).rsplit(": ", 1)[1])
+    described = json.loads((snapshot / "snapshot.json").read_text())
+    step = described["step"]
+    assert described["status"] == "running" and snapshot.name == f"{run_id}-step-{step}"
+    with _store(workdir) as store:
+        committed = {c.step: c.location for c in store.checkpoints(run_id)}
+        last_step = store.get_run(run_id).last_step
+    assert step in committed and last_step > step  # the run went on past the snapshot
+    original = Path(committed[step])
+    copied = snapshot / "checkpoint" / original.name
+    assert (copied / "manifest.json").read_bytes() == (original / "manifest.json").read_bytes()
+    assert manifest.problems(snapshot) == []
+    verified = rollout(workdir, "checkpoints", "verify", str(copied))
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    metric_steps = {
+        json.loads(line)["step"]
+        for line in (snapshot / "records" / "metrics.jsonl").read_text().splitlines()
+    }
+    assert max(metric_steps) == step  # the records stop where the checkpoint does
+
+    restored = rollout(workdir, "snapshot", "restore", str(snapshot), "--as", "live-copy")
+    assert restored.returncode == 0, restored.stdout + restored.stderr
+    plan_path = _last_line(restored.stdout).rsplit("rollout run --plan ", 1)[1]
+    resumed = start(workdir, "run", "--plan", plan_path)
+    try:
+        # The first is the old run's, copied with its records; the second, the restored run's.
+        messages = _wait_until(
+            "the restored run did not start training",
+            lambda: [m for m in _resumed_at(workdir, "live-copy") if m.startswith("training ")][1:],
+            resumed,
+        )
+        assert messages == [f"training grpo for steps {step + 1}..200"]
+        logs = _resumed_at(workdir, "live-copy")
+        assert any(m.startswith("resumed from ") and m.endswith(f"at step {step}") for m in logs)
+        _cancel(workdir, "live-copy", resumed)
+    finally:
+        _ended(resumed)
+    assert not processes_mentioning(str(workdir)), "a worker outlived its run"

@@ -277,3 +277,73 @@ def test_criu_complaint_names_the_cause_not_the_failed_helper():
         "needs CAP_SYS_ADMIN"
     )
     assert _complaint("Looks bad\n") == "Looks bad"
+
+
+# --- snapshots in object stores (moto S3 and the GCS emulator, over loopback)
+
+
+@pytest.fixture(params=["s3", "gs"])
+def bucket(request: pytest.FixtureRequest) -> str:
+    """A fresh bucket's URL, once on S3 and once on GCS."""
+    return request.getfixturevalue("s3_bucket" if request.param == "s3" else "gcs_bucket")
+
+
+def _object_store(url: str):
+    import fsspec
+
+    return fsspec.core.url_to_fs(url)
+
+
+def test_a_snapshot_in_an_object_store_restores_like_a_local_one(made_run, tmp_path, bucket):
+    remote = f"{bucket}/snap"
+    result = invoke("snapshot", "save", RUN, "--store", made_run.derived.store, "--to", remote)
+    assert result.exit_code == 0, result.output
+    assert result.output.strip().splitlines()[-1].endswith(f": {remote}")
+    fs, prefix = _object_store(remote)
+    assert fs.exists(f"{prefix}/{manifest.MANIFEST}")
+
+    location = f"sqlite:{tmp_path / 'other' / 'rollout.db'}"
+    result = invoke(
+        "snapshot", "restore", remote, "--as", "t-new", "--store", location,
+        "--artifacts", str(tmp_path / "elsewhere"),
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    plan_path = Path(result.output.strip().rsplit("rollout run --plan ", 1)[1])
+    plan = read_plan(plan_path)  # fresh and unedited: what `rollout run` checks
+    assert plan.run_id == "t-new" and plan.derived.store == location
+    assert plan.derived.artifacts == str(tmp_path / "elsewhere" / "t-new")
+    restored = tmp_path / "elsewhere" / "t-new" / "step-000002"
+    assert manifest.problems(restored) == []
+    assert (restored / "model" / "model.safetensors").read_bytes() == (
+        Path(made_run.derived.artifacts) / "step-000002/model/model.safetensors"
+    ).read_bytes()
+    with open_store(location, create=False) as store:
+        run = store.get_run("t-new")
+        assert run.plan_sha256 == json.loads(plan_path.read_text())["sha256"]
+        assert run.status == "planned" and run.last_step == 2
+        assert [m.step for m in store.metrics("t-new")] == [1, 2]
+        assert [line.message for line in store.logs("t-new")] == ["step 2 done"]
+        (checkpoint,) = store.checkpoints("t-new")
+        assert checkpoint.location == str(restored)
+
+
+def test_a_damaged_snapshot_in_an_object_store_is_refused_naming_the_file(
+    made_run, tmp_path, bucket
+):
+    remote = f"{bucket}/snap"
+    saved = invoke("snapshot", "save", RUN, "--store", made_run.derived.store, "--to", remote)
+    assert saved.exit_code == 0, saved.output
+    fs, prefix = _object_store(remote)
+    damaged = f"{prefix}/checkpoint/step-000002/model/model.safetensors"
+    data = bytearray(fs.cat_file(damaged))
+    data[100] ^= 0xFF  # same size, one byte different: only the checksum can tell
+    fs.pipe_file(damaged, bytes(data))
+
+    location = f"sqlite:{tmp_path / 'other.db'}"
+    result = invoke(
+        "snapshot", "restore", remote, "--as", "t-new", "--store", location,
+        "--artifacts", str(tmp_path / "elsewhere"),
+    )  # fmt: skip
+    _refused(result, "does not match its manifest", "model.safetensors")
+    _nothing_made(tmp_path, location)
+    assert not Path(location.removeprefix("sqlite:")).exists()
