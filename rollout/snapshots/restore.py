@@ -31,6 +31,7 @@ from rollout.files import is_url
 from rollout.planner.builder import artifacts_location, store_location
 from rollout.planner.definition import Plan
 from rollout.planner.lockfile import read_plan, stale_reasons, write_plan
+from rollout.planner.object_stores import failure_issue, quick_filesystem
 from rollout.planner.runnable import run_refusals
 from rollout.runtime import manifest
 from rollout.snapshots import layout
@@ -144,12 +145,25 @@ def _local_copy(snapshot: str, say: Say) -> Iterator[Path]:
             raise _not_a_snapshot(snapshot, "it holds no snapshot.json")
         yield local
         return
-    if not layout.exists(layout.join(snapshot, layout.SNAPSHOT_FILE)):
-        raise _not_a_snapshot(snapshot, "it holds no snapshot.json")
     with tempfile.TemporaryDirectory(prefix="rollout-snapshot-") as staging:
-        size = layout.download(snapshot, Path(staging))
+        try:
+            found = _answers_with_snapshot_file(snapshot)
+            size = layout.download(snapshot, Path(staging)) if found else 0
+        except Exception as error:  # an endpoint, bucket or credentials problem: said in words
+            raise RolloutError(
+                failure_issue(error, snapshot, "SNAPSHOT", doing="read", writing=False)
+            ) from None
+        if not found:
+            raise _not_a_snapshot(snapshot, "it holds no snapshot.json")
         say(f"downloaded {snapshot} ({size / 1e6:.1f} MB)")
         yield Path(staging)
+
+
+def _answers_with_snapshot_file(snapshot: str) -> bool:
+    """Whether the URL holds a snapshot.json, asked of a filesystem that fails fast: an endpoint
+    that does not answer is said in seconds, not after every retry the download would make."""
+    fs, path, bounded = quick_filesystem(str(layout.join(snapshot, layout.SNAPSHOT_FILE)))
+    return bool(fs.exists(path, **bounded))
 
 
 def _not_a_snapshot(snapshot: str, why: str) -> RolloutError:

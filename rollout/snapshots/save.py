@@ -17,6 +17,7 @@ from pathlib import Path
 from rollout.errors import Issue, RolloutError
 from rollout.files import is_url
 from rollout.planner.definition import Plan
+from rollout.planner.location_check import writable_issue
 from rollout.planner.lockfile import read_plan
 from rollout.runtime import manifest
 from rollout.snapshots import layout
@@ -116,6 +117,10 @@ def _newest_checkpoint(plan: Plan, run: RunRecord) -> str | Path:
 
 
 def _refuse_existing(target: str) -> None:
+    # Probed first: a bucket that is missing or refuses writes is found before anything is copied.
+    unwritable = writable_issue(target, "--to", "a snapshot")
+    if unwritable is not None:
+        raise RolloutError(unwritable)
     if layout.exists(target):
         raise RolloutError(
             Issue(

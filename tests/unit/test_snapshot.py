@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socketserver
 import subprocess
 import sys
 import time
@@ -283,8 +284,17 @@ def test_criu_complaint_names_the_cause_not_the_failed_helper():
 
 
 @pytest.fixture(params=["s3", "gs"])
-def bucket(request: pytest.FixtureRequest) -> str:
+def bucket(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """A fresh bucket's URL, once on S3 and once on GCS."""
+    # The GCS emulator's server thread prints a traceback when a client hangs up before reading
+    # its answer (gcsfs does, now and then); the CLI runner captures it as the command's output.
+    handle_error = socketserver.BaseServer.handle_error
+
+    def quiet_when_hung_up(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            handle_error(self, request, client_address)
+
+    monkeypatch.setattr(socketserver.BaseServer, "handle_error", quiet_when_hung_up)
     return request.getfixturevalue("s3_bucket" if request.param == "s3" else "gcs_bucket")
 
 
@@ -347,3 +357,44 @@ def test_a_damaged_snapshot_in_an_object_store_is_refused_naming_the_file(
     _refused(result, "does not match its manifest", "model.safetensors")
     _nothing_made(tmp_path, location)
     assert not Path(location.removeprefix("sqlite:")).exists()
+
+
+def test_a_snapshot_to_a_bucket_that_does_not_exist_is_refused_before_copying(made_run, bucket):
+    missing = f"{bucket}-missing/snap"
+    result = invoke("snapshot", "save", RUN, "--store", made_run.derived.store, "--to", missing)
+    _refused(result, "--to", "does not exist")
+    assert "copied checkpoint" not in result.output
+
+
+def test_a_restore_to_artifacts_in_a_bucket_that_does_not_exist_makes_nothing(
+    made_run, tmp_path, bucket
+):
+    snapshot = save(made_run)
+    location = f"sqlite:{tmp_path / 'other.db'}"
+    result = invoke(
+        "snapshot", "restore", str(snapshot), "--as", "t-new", "--store", location,
+        "--artifacts", f"{bucket}-missing/runs",
+    )  # fmt: skip
+    _refused(result, "storage.artifacts", "does not exist")
+    _nothing_made(tmp_path, location)
+    assert not Path(location.removeprefix("sqlite:")).exists()
+
+
+def test_a_snapshot_url_whose_endpoint_does_not_answer_is_refused_naming_it(
+    made_run, tmp_path, s3_bucket, monkeypatch
+):
+    import s3fs
+
+    remote = f"{s3_bucket}/snap"
+    saved = invoke("snapshot", "save", RUN, "--store", made_run.derived.store, "--to", remote)
+    assert saved.exit_code == 0, saved.output
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")
+    s3fs.S3FileSystem.clear_instance_cache()  # the cached one still talks to the live server
+    location = f"sqlite:{tmp_path / 'other.db'}"
+    result = invoke(
+        "snapshot", "restore", remote, "--as", "t-new", "--store", location,
+        "--artifacts", str(tmp_path / "elsewhere"),
+    )  # fmt: skip
+    s3fs.S3FileSystem.clear_instance_cache()
+    _refused(result, "SNAPSHOT", "cannot reach", "127.0.0.1:9")
+    _nothing_made(tmp_path, location)
