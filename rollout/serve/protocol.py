@@ -270,7 +270,7 @@ def _chat_prompt(messages: Any, model: ModelInfo) -> list[int]:
         if not isinstance(message, dict):
             raise ApiError(400, f"{where} must be an object", param=where)
         role = message.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise ApiError(
                 400, f"{where}.role must be one of {sorted(CHAT_ROLES)}", param=f"{where}.role"
             )

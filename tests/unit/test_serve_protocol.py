@@ -258,3 +258,10 @@ def test_other_fields_of_the_wrong_type_name_themselves(body, param):
 def test_error_messages_never_echo_a_credential(model):
     error = refused(completion(model=model))
     assert "CANARY" not in json.dumps(error.body())
+
+
+@pytest.mark.parametrize("role", [["user"], {"a": 1}, 3, None, "robot"])
+def test_a_role_that_is_not_a_known_string_is_a_400_naming_it(encoder, role):
+    # An unhashable role (a list, an object) once raised TypeError: a 500 instead of a 400.
+    error = refused(chat(messages=[{"role": role, "content": "hi"}]), "chat", encoder)
+    assert error.param == "messages[0].role"
