@@ -54,3 +54,23 @@ def processes_mentioning(marker: str) -> list[int]:
                 if marker in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode():
                     found.append(int(entry.name))
     return found
+
+
+# A reward plugin (written as examples/counting.py) that fails the run on its call FAIL_AFTER + 1:
+# one call a step, so a run stops part-way at the same step every time, racing no signal.
+COUNTING_REWARD = """
+import os
+
+
+def counting(prompts, completions, **_):
+    # Fails the run on call FAIL_AFTER + 1 (one call a step): a run stopped part-way, every time
+    # at the same step, without racing a signal against the steps.
+    limit = os.environ.get("FAIL_AFTER")
+    if limit is not None:
+        path = os.environ["COUNT_FILE"]
+        calls = int(open(path).read()) + 1 if os.path.exists(path) else 1
+        open(path, "w").write(str(calls))
+        if calls > int(limit):
+            raise RuntimeError("stopped on purpose after %s calls" % limit)
+    return [1.0 / (1 + len(c)) for c in completions]
+"""

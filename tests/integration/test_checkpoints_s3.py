@@ -1,41 +1,59 @@
 """A GRPO run whose checkpoints go to S3 (a moto server over loopback): committed by manifest on
-an upload thread, listed, verified and exported by `rollout checkpoints`, and resumed by a
-re-planned run past a damaged newest checkpoint."""
+an upload thread, listed, verified and exported by `rollout checkpoints`, and resumed past a
+damaged newest checkpoint when the failed run's plan runs again."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import fsspec
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from rollout.planner.lockfile import read_plan
 from rollout.storage import open_store
-from tests.integration.driver import rollout
+from tests.integration.driver import COUNTING_REWARD, environment, rollout
 
 pytestmark = pytest.mark.slow
 
 
-def _run(workdir, artifacts: str, max_steps: int):
-    return rollout(
-        workdir,
-        "run",
-        "--config",
-        "examples/grpo-tiny.toml",
-        *("--set", f"algorithm.max_steps={max_steps}"),
-        *("--set", "checkpoint.interval=1", "--set", "checkpoint.keep_last=3"),
-        *("--set", f"storage.artifacts='{artifacts}'", "--set", "data.eval=null"),
+def _run(workdir, *, fail_after: int | None = None):
+    env = environment(workdir)
+    if fail_after is not None:
+        env |= {"FAIL_AFTER": str(fail_after), "COUNT_FILE": str(workdir / "calls")}
+    return subprocess.run(
+        [sys.executable, "-m", "rollout", "run", "--plan", "plan.lock"],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
 def test_s3_checkpoints_resume_past_a_damaged_one_and_export(workdir, s3_bucket):
-    artifacts = f"{s3_bucket}/grpo"
-    first = _run(workdir, artifacts, max_steps=3)
-    assert first.returncode == 0, first.stdout + first.stderr
+    (workdir / "examples" / "counting.py").write_text(COUNTING_REWARD)
+    planned = rollout(
+        workdir,
+        "plan",
+        "--config",
+        "examples/grpo-tiny.toml",
+        *("--set", "algorithm.max_steps=4", "--set", "data.eval=null"),
+        *("--set", "checkpoint.interval=1", "--set", "checkpoint.keep_last=3"),
+        *("--set", f"storage.artifacts='{s3_bucket}/grpo'"),
+        *("--set", "rewards=[{ fn = './counting.py:counting' }]"),
+        *("-o", "plan.lock"),
+    )
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    artifacts = read_plan(workdir / "plan.lock").derived.artifacts
+    first = _run(workdir, fail_after=3)  # fails at step 4, after committing steps 1 to 3
+    assert first.returncode == 1, first.stdout + first.stderr
     store = open_store(f"sqlite:{workdir / 'runs' / 'rollout.db'}", create=False)
     (record,) = store.list_runs()
-    assert record.status == "finished"
+    assert record.status == "failed" and record.last_step == 3
     assert [c.step for c in store.checkpoints(record.run_id)] == [1, 2, 3]
     assert store.checkpoints(record.run_id)[-1].location == f"{artifacts}/step-000003"
     for name in ("perf/checkpoint_blocking_s", "perf/checkpoint_commit_s"):
@@ -61,13 +79,12 @@ def test_s3_checkpoints_resume_past_a_damaged_one_and_export(workdir, s3_bucket)
     good = rollout(workdir, "checkpoints", "verify", f"{artifacts}/step-000002")
     assert good.returncode == 0 and "good" in good.stdout
 
-    # A re-plan that trains longer resumes from the newest good checkpoint, step 2.
-    second = _run(workdir, artifacts, max_steps=4)
+    # Running the plan again resumes from the newest good checkpoint, step 2.
+    second = _run(workdir)
     assert second.returncode == 0, second.stdout + second.stderr
-    resumed = next(r for r in store.list_runs() if r.run_id != record.run_id)
-    assert resumed.status == "finished"
-    assert sorted({m.step for m in store.metrics(resumed.run_id, ["reward/mean"])}) == [3, 4]
-    logs = rollout(workdir, "logs", "tail", resumed.run_id, "-n", "200")
+    (resumed,) = store.list_runs()
+    assert resumed.status == "finished" and resumed.last_step == 4
+    logs = rollout(workdir, "logs", "tail", resumed.run_id, "-n", "400")
     assert "skipping checkpoint" in logs.stdout and "step-000003" in logs.stdout
     assert "does not match its sha256" in logs.stdout
     assert "resumed from" in logs.stdout and "step-000002 at step 2" in logs.stdout

@@ -18,26 +18,17 @@ import pytest
 
 from rollout.runtime import manifest
 from rollout.storage import open_store
-from tests.integration.driver import environment, only_run, processes_mentioning, rollout, start
+from tests.integration.driver import (
+    COUNTING_REWARD,
+    environment,
+    only_run,
+    processes_mentioning,
+    rollout,
+    start,
+)
 
 pytestmark = pytest.mark.slow
 
-COUNTING_REWARD = """
-import os
-
-
-def counting(prompts, completions, **_):
-    # Fails the run on call FAIL_AFTER + 1 (one call a step): a run stopped part-way, every time
-    # at the same step, without racing a signal against the steps.
-    limit = os.environ.get("FAIL_AFTER")
-    if limit is not None:
-        path = os.environ["COUNT_FILE"]
-        calls = int(open(path).read()) + 1 if os.path.exists(path) else 1
-        open(path, "w").write(str(calls))
-        if calls > int(limit):
-            raise RuntimeError("stopped on purpose after %s calls" % limit)
-    return [1.0 / (1 + len(c)) for c in completions]
-"""
 
 SETTINGS = (
     *("--set", "algorithm.max_steps=6"),
