@@ -347,6 +347,7 @@ def _checkpoint_at(path: Path) -> FoundCheckpoint:
                     "checkpoint",
                 )
             )
+        _refuse_damaged(path)
         return FoundCheckpoint(path / "model", _plan_beside(path.parent))
     if (path / PLAN_FILE).is_file():
         plan = _read_plan(path / PLAN_FILE)
@@ -405,7 +406,25 @@ def _latest_in(root: Path, plan: Plan | None) -> FoundCheckpoint:
             )
         )
     _refuse_adapter_only(Path(latest))
+    _refuse_damaged(Path(latest))
     return FoundCheckpoint(latest / "model", plan)
+
+
+def _refuse_damaged(step: Path) -> None:
+    """Every file of the checkpoint matches its manifest's size and sha256 (as training's resume
+    checks) before a byte of it is loaded."""
+    from rollout.runtime.manifest import problems
+
+    found = problems(step)
+    if found:
+        raise RolloutError(
+            Issue(
+                "--checkpoint",
+                f"{step} does not match its {MANIFEST}: {'; '.join(found)}",
+                hint="use an earlier step (`rollout checkpoints verify "
+                f"{step.parent}` lists which are good)",
+            )
+        )
 
 
 def _refuse_adapter_only(step: Path) -> None:

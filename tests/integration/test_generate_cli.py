@@ -181,6 +181,20 @@ def test_generate_from_a_runs_checkpoint_by_path_and_by_run_id(work, base_config
     assert code == 0, output
     assert Path("c.jsonl").read_bytes() == Path("a.jsonl").read_bytes()
 
+    # A weight file that no longer matches the manifest is refused before it is loaded.
+    weights = Path(step) / "model" / "model.safetensors"
+    damaged = bytearray(weights.read_bytes())
+    damaged[-1] ^= 0xFF
+    weights.write_bytes(bytes(damaged))
+    for checkpoint in (str(step), str(run_dir)):
+        code, output = generate(
+            "--prompts", "prompts.jsonl", "--out", "d.jsonl", "--checkpoint", checkpoint
+        )
+        assert code == 2, output
+        assert "does not match its manifest.json" in output and "model.safetensors" in output
+        assert "rollout checkpoints verify" in output and "Traceback" not in output
+    assert not Path("d.jsonl").exists()
+
 
 # --- resuming -------------------------------------------------------------------------------------
 
