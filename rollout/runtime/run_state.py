@@ -23,6 +23,7 @@ from rollout.files import is_url
 from rollout.runtime import transport
 from rollout.runtime.checkpoint import (
     CheckpointError,
+    CopyBuffers,
     Extra,
     Staged,
     commit_checkpoint,
@@ -58,6 +59,8 @@ class RunState:
     """Modules trained beside the policy (PPO's critic or value head)."""
     adapters: Adapters | None = None
     """With LoRA: the adapters, which checkpoints hold instead of the model's weights."""
+    buffers: CopyBuffers = field(default_factory=CopyBuffers)
+    """Under an object-store root: the memory each save copies the large tensors into."""
 
     def save(
         self,
@@ -112,6 +115,7 @@ class RunState:
             adapters=self.adapters,
             run_id=ctx.plan.run_id,
             plan=plan_fingerprint(ctx.plan),
+            buffers=self.buffers,
         )
 
     def _commit(self, ctx: WorkerContext, writer: BackgroundWriter, staged: Staged) -> None:

@@ -718,6 +718,31 @@ def test_an_object_store_checkpoint_is_committed_by_an_upload_thread(
     assert [(f.step, f.state) for f in inventory(root)] == [(2, "committed")]
 
 
+def test_saves_to_an_object_store_reuse_their_copy_buffers(s3_bucket, tokenizer, plan):
+    """The second save copies into the first save's memory, and still holds its own step's
+    weights and optimizer state (the first upload ended before the second save copied)."""
+    root = f"{s3_bucket}/ckpt"
+    training, state = _resumable(root, tokenizer)
+    ctx = rank_context(0, 1, plan, keep_last=2)
+    writer = Writer()
+    training.step()
+    state.save(ctx, writer, 1)
+    ctx.uploads.wait()
+    first = {key: buffer.data_ptr() for key, buffer in state.buffers._buffers.items()}
+    assert any(key.startswith("optimizer.safetensors:") for key in first)
+    training.step()
+    expected = Training(seed=9)
+    expected.model.load_state_dict(training.model.state_dict())
+    expected.optimizer.load_state_dict(training.optimizer.state_dict())
+    state.save(ctx, writer, 2)
+    ctx.uploads.wait()
+    assert {key: b.data_ptr() for key, b in state.buffers._buffers.items()} == first
+    restored = Training(seed=3)
+    restored.load(f"{root}/step-000002")
+    assert_same_weights(restored.model, expected.model)
+    assert_same(restored.optimizer.state_dict(), expected.optimizer.state_dict())
+
+
 def test_a_bucket_gone_mid_upload_fails_the_save_clearly(s3_bucket, tokenizer, plan):
     import fsspec
 
