@@ -280,6 +280,7 @@ class QueueActor:
         self._thread: threading.Thread | None = None
         self._fresh_left = True
         self._watched: dict[int, tuple[str, str | None, float]] = {}
+        self._seen_done: set[int] = set()  # done stays done: no need to ask the store again
 
     def __enter__(self) -> QueueActor:
         self.queue.check_shape()
@@ -344,7 +345,8 @@ class QueueActor:
         queue = self.queue
         now = time.monotonic()
         for index in range(queue.num_chunks):
-            if queue._is_done(index):
+            if index in self._seen_done or queue._is_done(index):
+                self._seen_done.add(index)
                 self._watched.pop(index, None)
                 continue
             raw, owner = queue._owner(index)
