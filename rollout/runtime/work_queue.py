@@ -204,7 +204,10 @@ class WorkQueue:
         delete the step's keys. Raises WorkQueueTimeout naming the chunks still missing and who
         held them when `timeout_s` passes first. One collector per step releases it."""
         if self.consumed():
-            raise RuntimeError(f"work queue step {self.step} was already collected")
+            raise RuntimeError(
+                f"work queue step {self.step} was already collected, or a later step was: "
+                "steps are collected once each, in increasing order"
+            )
         self.check_shape()
         done_keys = [self._key("done", chunk) for chunk in range(self.num_chunks)]
         deadline = time.monotonic() + timeout_s

@@ -21,11 +21,13 @@ STEP, ITEMS, CHUNK, LEASE_S = 3, 100, 4, 1.0
 FAST_S, SLOW_S = 0.002, 0.05  # seconds per item
 
 
-def _queue(store) -> WorkQueue:
-    return WorkQueue(store, STEP, ITEMS, CHUNK, lease_s=LEASE_S, poll_s=0.02)
+def _queue(store, lease_s: float = LEASE_S) -> WorkQueue:
+    return WorkQueue(store, STEP, ITEMS, CHUNK, lease_s=lease_s, poll_s=0.02)
 
 
-def _actor(port: int, name: str, per_item_s: float, actors: int, role: str, report: str) -> None:
+def _actor(
+    port: int, name: str, per_item_s: float, actors: int, role: str, report: str, lease_s: float
+) -> None:
     """One actor process. `role`: "work" claims until the step is done; "die" claims one chunk,
     says which, and sleeps until killed; "stall" claims one, says which, and completes it when
     the test says so (after having been stopped long enough to lose its lease)."""
@@ -34,7 +36,7 @@ def _actor(port: int, name: str, per_item_s: float, actors: int, role: str, repo
     while store.add("test/ready", 0) < actors:  # start together: imports take unequal times
         time.sleep(0.01)
     outcome: dict = {"processed": []}
-    with _queue(store).actor(name) as actor:
+    with _queue(store, lease_s).actor(name) as actor:
         if role != "work":
             held = actor.claim()
             store.set(f"test/held/{name}", str(held.index))
@@ -58,7 +60,9 @@ def _actor(port: int, name: str, per_item_s: float, actors: int, role: str, repo
 class _Actors:
     """The actor processes of one test, on a TCPStore this process serves; none outlives it."""
 
-    def __init__(self, tmp_path: Path, specs: list[tuple[str, float, str]]) -> None:
+    def __init__(
+        self, tmp_path: Path, specs: list[tuple[str, float, str]], lease_s: float = LEASE_S
+    ) -> None:
         self.store = dist.TCPStore(
             "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
         )
@@ -70,7 +74,15 @@ class _Actors:
         self.processes = {
             name: context.Process(
                 target=_actor,
-                args=(self.store.port, name, per_item, len(specs), role, str(tmp_path / name)),
+                args=(
+                    self.store.port,
+                    name,
+                    per_item,
+                    len(specs),
+                    role,
+                    str(tmp_path / name),
+                    lease_s,
+                ),
             )
             for name, per_item, role in specs
         }
@@ -107,8 +119,10 @@ def _by_chunk(results: list[dict]) -> list[str]:
 
 def test_three_processes_share_the_items_once_each_and_the_fast_take_more(tmp_path) -> None:
     specs = [("fast-0", FAST_S, "work"), ("fast-1", FAST_S, "work"), ("slow", SLOW_S, "work")]
-    with _Actors(tmp_path, specs) as actors:
-        results = _queue(actors.store).collect(timeout_s=60)
+    # Nobody dies here: a long lease keeps a heartbeat thread starved on a busy machine from
+    # passing for a death (that would redo a chunk, which is the other tests' subject).
+    with _Actors(tmp_path, specs, lease_s=10.0) as actors:
+        results = _queue(actors.store, lease_s=10.0).collect(timeout_s=60)
         reports = actors.finish("fast-0", "fast-1", "slow")
         remaining_keys = actors.store.num_keys()
     assert [r["item"] for r in results] == list(range(ITEMS))

@@ -191,3 +191,12 @@ def test_metrics_are_named_for_recording(store) -> None:
     metrics = actor.metrics.as_dict()
     assert metrics["queue/chunks_claimed"] == 3.0 and metrics["queue/items_claimed"] == 10.0
     assert set(metrics) >= {"queue/chunks_requeued", "queue/wait_s", "queue/completions_ignored"}
+
+
+def test_a_queue_needs_items_whole_chunks_and_a_positive_lease(store) -> None:
+    with pytest.raises(ValueError, match="got step 0, num_items 0, chunk_size 4"):
+        _queue(store, num_items=0)
+    with pytest.raises(ValueError, match="got step 0, num_items 4, chunk_size 0"):
+        _queue(store, num_items=4, chunk_size=0)
+    with pytest.raises(ValueError, match="lease_s and poll_s must be positive, got 0"):
+        _queue(store, lease_s=0)
