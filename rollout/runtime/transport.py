@@ -2,9 +2,10 @@
 
 Every torch.distributed call of the runtime is here, named after what moves: gradients (averaged
 before an optimizer step), metrics and token counts (summed or averaged over ranks), a batch's
-per-record values (gathered), and small state (data cursors, RNG states, shares of the reference
-log-probs). This is the seam along which actor and learner will be split into processes of their
-own.
+per-record values (gathered), small state (data cursors, RNG states, shares of the reference
+log-probs), and the process group's key-value store (`process_group_store`, through which the
+work queue hands out a step's prompts). This is the seam along which actor and learner will be
+split into processes of their own.
 
 Two kinds of calls. Those that take a step's tensors (gradients, token counts, batch values) ask
 the process group whether there are several ranks (`several_ranks`) and do nothing with one.
@@ -57,6 +58,12 @@ def leave_process_group() -> None:
 def several_ranks() -> bool:
     """Whether this process is one of several ranks in a process group."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def process_group_store() -> dist.Store:
+    """The key-value store the process group's ranks met through (torchrun's TCPStore), for
+    small coordination that is not a collective: rollout/runtime/work_queue.py's chunk claims."""
+    return dist.distributed_c10d._get_default_store()
 
 
 def wait_for_every_rank() -> None:

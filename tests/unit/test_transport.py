@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from rollout.runtime import transport
+from rollout.runtime.work_queue import WorkQueue
 
 
 def test_nccl_moves_tensors_from_the_local_gpu_and_gloo_from_the_cpu() -> None:
@@ -34,5 +35,19 @@ def test_gloo_collectives_run_on_the_cpu(tmp_path) -> None:
     try:
         assert transport.sum_metrics([1.0, 2.5]) == [1.0, 2.5]
         assert transport.gather_state({"cursor": [3, "é"]}) == [{"cursor": [3, "é"]}]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_work_queue_runs_on_the_process_groups_store(tmp_path) -> None:
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0, world_size=1
+    )
+    try:
+        queue = WorkQueue(transport.process_group_store(), step=0, num_items=5, chunk_size=2)
+        with queue.actor("rank-0") as actor:
+            while (chunk := actor.claim()) is not None:
+                actor.complete(chunk, [f"id-{item}" for item in chunk.items])
+        assert queue.collect(timeout_s=5) == [f"id-{item}" for item in range(5)]
     finally:
         dist.destroy_process_group()
