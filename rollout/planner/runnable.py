@@ -83,6 +83,14 @@ def _placement(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
                 f"{ranks[follows]}), not on ranks {ranks[role]}",
                 hint=f"remove {role} from cluster.placement: it follows the {follows}",
             )
+    if config.model.lora is not None:
+        yield Issue(
+            "model.lora",
+            "LoRA runs on colocated placements only in this version of rollout: its adapters "
+            "are saved through peft, which writes on global rank 0 alone, and the learner of "
+            "a disaggregated run is another rank",
+            hint="remove [cluster.placement], or [model.lora] to train every weight",
+        )
     if config.data.eval is not None:
         yield Issue(
             "data.eval",
