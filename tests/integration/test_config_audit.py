@@ -903,7 +903,7 @@ SECTION_CASES: dict[str, list[Case]] = {
             {
                 "cluster.placement": {"actor": [0], "learner": [1]},
                 "cluster.nproc_per_node": 2,
-                "data.eval": None,
+                "data.eval": DELETE,
             },
             lambda plan: [process.roles for process in plan.graph.processes],
         ),
