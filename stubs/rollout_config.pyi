@@ -346,6 +346,26 @@ class GrpoConfig(TypedDict):
     token_mean), constant (Dr. GRPO: sum / (sequences x max_new_tokens)).
 
     Default: 'token_mean'."""
+    max_staleness: NotRequired[int]
+    """Asynchronous training with a disaggregated placement (actors and learners on separate
+    processes): the actors generate the next batches with weights up to this many policy
+    versions old while the learners train. 0: synchronous (every batch is sampled from the
+    newest weights). With colocated roles there is nothing to overlap: keep 0.
+
+    Range: ≥ 0, ≤ 64. Default: 0."""
+    stale_samples: NotRequired[Literal["tis", "drop"]]
+    """What the learner does with a batch sampled by an older policy (max_staleness > 0): 'tis'
+    scores it with the current policy and weighs each token by the truncated importance ratio
+    min(current / sampling probability, tis_bound); 'drop' trains it with the current policy's
+    log-probs but drops the sequences where any token's ratio leaves [1 / tis_bound,
+    tis_bound].
+
+    Default: 'tis'."""
+    tis_bound: NotRequired[float]
+    """The importance ratio's bound for stale samples: tokens' weights are truncated at it
+    ('tis'), or sequences leaving [1 / tis_bound, tis_bound] dropped ('drop').
+
+    Range: > 1.0, ≤ 1000.0. Default: 2.0."""
     kind: Literal["grpo"]
     """Group Relative Policy Optimization."""
     scale_rewards: NotRequired[Literal["group", "batch", "none"]]
@@ -720,6 +740,26 @@ class PpoConfig(TypedDict):
     token_mean), constant (Dr. GRPO: sum / (sequences x max_new_tokens)).
 
     Default: 'token_mean'."""
+    max_staleness: NotRequired[int]
+    """Asynchronous training with a disaggregated placement (actors and learners on separate
+    processes): the actors generate the next batches with weights up to this many policy
+    versions old while the learners train. 0: synchronous (every batch is sampled from the
+    newest weights). With colocated roles there is nothing to overlap: keep 0.
+
+    Range: ≥ 0, ≤ 64. Default: 0."""
+    stale_samples: NotRequired[Literal["tis", "drop"]]
+    """What the learner does with a batch sampled by an older policy (max_staleness > 0): 'tis'
+    scores it with the current policy and weighs each token by the truncated importance ratio
+    min(current / sampling probability, tis_bound); 'drop' trains it with the current policy's
+    log-probs but drops the sequences where any token's ratio leaves [1 / tis_bound,
+    tis_bound].
+
+    Default: 'tis'."""
+    tis_bound: NotRequired[float]
+    """The importance ratio's bound for stale samples: tokens' weights are truncated at it
+    ('tis'), or sequences leaving [1 / tis_bound, tis_bound] dropped ('drop').
+
+    Range: > 1.0, ≤ 1000.0. Default: 2.0."""
     kind: Literal["ppo"]
     """Proximal Policy Optimization with a learned critic."""
     gamma: NotRequired[float]
@@ -843,6 +883,26 @@ class ReinforcePpConfig(TypedDict):
     token_mean), constant (Dr. GRPO: sum / (sequences x max_new_tokens)).
 
     Default: 'token_mean'."""
+    max_staleness: NotRequired[int]
+    """Asynchronous training with a disaggregated placement (actors and learners on separate
+    processes): the actors generate the next batches with weights up to this many policy
+    versions old while the learners train. 0: synchronous (every batch is sampled from the
+    newest weights). With colocated roles there is nothing to overlap: keep 0.
+
+    Range: ≥ 0, ≤ 64. Default: 0."""
+    stale_samples: NotRequired[Literal["tis", "drop"]]
+    """What the learner does with a batch sampled by an older policy (max_staleness > 0): 'tis'
+    scores it with the current policy and weighs each token by the truncated importance ratio
+    min(current / sampling probability, tis_bound); 'drop' trains it with the current policy's
+    log-probs but drops the sequences where any token's ratio leaves [1 / tis_bound,
+    tis_bound].
+
+    Default: 'tis'."""
+    tis_bound: NotRequired[float]
+    """The importance ratio's bound for stale samples: tokens' weights are truncated at it
+    ('tis'), or sequences leaving [1 / tis_bound, tis_bound] dropped ('drop').
+
+    Range: > 1.0, ≤ 1000.0. Default: 2.0."""
     kind: Literal["reinforce_pp"]
     """REINFORCE++ (critic-free, globally normalized advantages)."""
     gamma: NotRequired[float]
@@ -972,6 +1032,26 @@ class RlooConfig(TypedDict):
     token_mean), constant (Dr. GRPO: sum / (sequences x max_new_tokens)).
 
     Default: 'token_mean'."""
+    max_staleness: NotRequired[int]
+    """Asynchronous training with a disaggregated placement (actors and learners on separate
+    processes): the actors generate the next batches with weights up to this many policy
+    versions old while the learners train. 0: synchronous (every batch is sampled from the
+    newest weights). With colocated roles there is nothing to overlap: keep 0.
+
+    Range: ≥ 0, ≤ 64. Default: 0."""
+    stale_samples: NotRequired[Literal["tis", "drop"]]
+    """What the learner does with a batch sampled by an older policy (max_staleness > 0): 'tis'
+    scores it with the current policy and weighs each token by the truncated importance ratio
+    min(current / sampling probability, tis_bound); 'drop' trains it with the current policy's
+    log-probs but drops the sequences where any token's ratio leaves [1 / tis_bound,
+    tis_bound].
+
+    Default: 'tis'."""
+    tis_bound: NotRequired[float]
+    """The importance ratio's bound for stale samples: tokens' weights are truncated at it
+    ('tis'), or sequences leaving [1 / tis_bound, tis_bound] dropped ('drop').
+
+    Range: > 1.0, ≤ 1000.0. Default: 2.0."""
     kind: Literal["rloo"]
     """REINFORCE Leave-One-Out."""
 

@@ -101,6 +101,31 @@ class OnPolicyKnobs(OptimizerKnobs):
         "with one learner process the same as token_mean), constant (Dr. GRPO: sum / "
         "(sequences x max_new_tokens)).",
     )
+    max_staleness: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        description="Asynchronous training with a disaggregated placement (actors and learners on "
+        "separate processes): the actors generate the next batches with weights up to this many "
+        "policy versions old while the learners train. 0: synchronous (every batch is sampled "
+        "from the newest weights). With colocated roles there is nothing to overlap: keep 0.",
+    )
+    stale_samples: Literal["tis", "drop"] = Field(
+        default="tis",
+        description="What the learner does with a batch sampled by an older policy (max_staleness "
+        "> 0): 'tis' scores it with the current policy and weighs each token by the truncated "
+        "importance ratio min(current / sampling probability, tis_bound); 'drop' trains it with "
+        "the current policy's log-probs but drops the sequences where any token's ratio leaves "
+        "[1 / tis_bound, tis_bound].",
+    )
+    tis_bound: float = Field(
+        default=2.0,
+        gt=1.0,
+        le=1000.0,
+        description="The importance ratio's bound for stale samples: tokens' weights are "
+        "truncated at it ('tis'), or sequences leaving [1 / tis_bound, tis_bound] dropped "
+        "('drop').",
+    )
 
 
 class GrpoConfig(OnPolicyKnobs):

@@ -373,6 +373,24 @@ def value_loss_weight_is_read(config: RunConfig) -> Iterator[Issue]:
         )
 
 
+@rule("algorithm")
+def stale_sample_settings_are_read(config: RunConfig) -> Iterator[Issue]:
+    algo = config.algorithm
+    if algo.kind not in ONLINE_KINDS or algo.max_staleness > 0:
+        return
+    for name in ("stale_samples", "tis_bound"):
+        value = getattr(algo, name)
+        if value != OnPolicyKnobs.model_fields[name].default:
+            yield Issue(
+                f"algorithm.{name}",
+                f"{name} says what happens to samples from an older policy, and with "
+                "max_staleness = 0 every batch is sampled by the newest one",
+                value=value,
+                hint=f"remove {name}, or set max_staleness >= 1 with a placement that puts "
+                "actors and learners on separate processes",
+            )
+
+
 # --- algorithm x data --------------------------------------------------------------------------
 
 

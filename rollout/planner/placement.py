@@ -89,3 +89,14 @@ def _role_ranks(
         if role not in ranks:
             ranks[role] = ranks[_FOLLOWS[role]]
     return ranks
+
+
+def is_disaggregated(graph: Graph) -> bool:
+    """Whether actors and learners run on processes of their own (their edge crosses processes)."""
+    return any(e.transport != "in_process" for e in graph.edges)
+
+
+def recording_rank(graph: Graph) -> int:
+    """The rank that records metrics and writes checkpoints: the first learner (rank 0 when
+    every process runs every role)."""
+    return next(role.ranks[0] for role in graph.roles if role.role == "learner")

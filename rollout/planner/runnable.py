@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable, Iterator
 
+from rollout.config.algorithm import OnPolicyKnobs
 from rollout.config.root import RunConfig
 from rollout.errors import Issue
 from rollout.files import is_url
@@ -20,6 +21,7 @@ from rollout.planner.criu_check import criu_problem
 from rollout.planner.definition import Graph
 from rollout.planner.location_check import writable_issue
 from rollout.planner.object_stores import OBJECT_STORES, scheme
+from rollout.planner.placement import is_disaggregated
 
 Check = Callable[[RunConfig, Graph | None], Iterator[Issue]]
 CHECKS: list[Check] = []
@@ -58,17 +60,61 @@ def _one_node(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
 
 
 @check
-def _colocated(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
-    split = graph is not None and any(e.transport != "in_process" for e in graph.edges)
-    if split:
-        apart = sorted(
-            {f"{e.source}->{e.target}" for e in graph.edges if e.transport != "in_process"}
-        )
+def _placement(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
+    """Colocated (every role on every process) and disaggregated (actors on some processes,
+    learners on the others) both run; a placement that overlaps them partly does not."""
+    if graph is None or not is_disaggregated(graph):
+        return
+    ranks = {role.role: role.ranks for role in graph.roles}
+    actors, learners = set(ranks["actor"]), set(ranks["learner"])
+    if actors & learners:
         yield Issue(
             "cluster.placement",
-            "this version of rollout runs every role in every process (colocated, data "
-            f"parallel); this placement puts roles on separate processes ({', '.join(apart)})",
-            hint="remove [cluster.placement] to colocate every role",
+            f"actor ranks {sorted(actors)} and learner ranks {sorted(learners)} overlap without "
+            "being the same: a process runs either every role (colocated) or one side",
+            hint="give actors and learners disjoint ranks, e.g. { actor = [0], learner = [1] }, "
+            "or remove [cluster.placement] to colocate every role",
+        )
+    for role, follows in (("reward", "actor"), ("reference", "learner"), ("critic", "learner")):
+        if role in ranks and ranks[role] != ranks[follows]:
+            yield Issue(
+                f"cluster.placement.{role}",
+                f"the {role} runs beside the {follows} in this version of rollout (on ranks "
+                f"{ranks[follows]}), not on ranks {ranks[role]}",
+                hint=f"remove {role} from cluster.placement: it follows the {follows}",
+            )
+    if config.model.lora is not None:
+        yield Issue(
+            "model.lora",
+            "LoRA runs on colocated placements only in this version of rollout: its adapters "
+            "are saved through peft, which writes on global rank 0 alone, and the learner of "
+            "a disaggregated run is another rank",
+            hint="remove [cluster.placement], or [model.lora] to train every weight",
+        )
+    if config.data.eval is not None:
+        yield Issue(
+            "data.eval",
+            "evaluation runs on colocated placements only in this version of rollout; with "
+            "actors and learners on separate processes it would be skipped",
+            hint="set data.eval = null for this run (evaluate its checkpoints afterwards), or "
+            "remove [cluster.placement]",
+        )
+
+
+@check
+def _staleness_needs_disaggregation(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
+    algo = config.algorithm
+    if not isinstance(algo, OnPolicyKnobs):
+        return
+    staleness = algo.max_staleness
+    if graph is not None and staleness > 0 and not is_disaggregated(graph):
+        yield Issue(
+            "algorithm.max_staleness",
+            "with every role in every process, generation and training take turns: there is "
+            "nothing to overlap, so no sample can be stale",
+            value=staleness,
+            hint="set max_staleness = 0, or place actors and learners on separate processes, "
+            "e.g. [cluster] nproc_per_node = 2, placement = { actor = [0], learner = [1] }",
         )
 
 

@@ -265,11 +265,10 @@ def _write_state(
     adapters: Adapters | None,
     deferred: _Deferred | None,
 ) -> None:
-    if adapters is None and deferred is not None:
-        _save_model_deferred(staging / "model", model, deferred)
-        tokenizer.save_pretrained(staging / "model")
-    elif adapters is None:
-        model.save_pretrained(staging / "model")
+    if adapters is None:
+        # Not save_pretrained: transformers writes weights on global rank 0 only, and the first
+        # learner of a disaggregated run is another rank.
+        _save_model(staging / "model", model, deferred)
         tokenizer.save_pretrained(staging / "model")
     else:
         adapters.save(staging / ADAPTER_DIR)
@@ -286,9 +285,10 @@ def _write_state(
     _save_rng(staging)
 
 
-def _save_model_deferred(directory: Path, model: Any, deferred: _Deferred) -> None:
-    """What save_pretrained writes, the weights as copies to write later: config and generation
-    config now, model.safetensors (each tied tensor once, under its first name) by the commit."""
+def _save_model(directory: Path, model: Any, deferred: _Deferred | None) -> None:
+    """What save_pretrained writes: config and generation config now, model.safetensors (each
+    tied tensor once, under its first name) now, or with `deferred` as copies the commit
+    writes."""
     directory.mkdir(parents=True)
     model.config.save_pretrained(directory)
     if model.can_generate():  # as save_pretrained does

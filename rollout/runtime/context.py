@@ -35,7 +35,29 @@ class WorkerContext:
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        """Whether this rank records metrics and writes checkpoints: the first learner (rank 0
+        when every process runs every role)."""
+        return self.rank == self.role_ranks("learner")[0]
+
+    @property
+    def learners(self) -> int:
+        """How many ranks train (all of them, colocated): what step metrics average over."""
+        return len(self.role_ranks("learner"))
+
+    @property
+    def seed_index(self) -> int:
+        """This rank's index among the ranks of its role (the learner's, on a rank that runs
+        one): what its seeds, data share and saved state are keyed by, so learner i and actor i
+        of a disaggregated run draw what colocated rank i draws."""
+        for role in ("learner", "actor"):
+            ranks = self.role_ranks(role)
+            if self.rank in ranks:
+                return ranks.index(self.rank)
+        return self.rank
+
+    def role_ranks(self, role: str) -> list[int]:
+        """The global ranks that run `role` (none when the algorithm has no such role)."""
+        return next((r.ranks for r in self.plan.graph.roles if r.role == role), [])
 
     @property
     def device(self) -> str:

@@ -26,15 +26,16 @@ if TYPE_CHECKING:
 def record_metrics(
     ctx: WorkerContext, writer: BackgroundWriter, step: int, metrics: Mapping[str, float]
 ) -> None:
-    """Average metrics over ranks (each rank's are over equal shares of the step); rank 0
-    writes them when `step` is recorded (`records_step`)."""
+    """Average metrics over the learner ranks (each rank's are over equal shares of the step;
+    colocated, every rank is one); the first writes them when `step` is recorded
+    (`records_step`)."""
     values = dict(metrics)
     # Reduced on every step, recorded or not: rank 0 alone also records the step a stop will
     # checkpoint, and a collective that only some ranks enter would hang.
-    if ctx.world_size > 1:
+    if ctx.learners > 1:
         names = sorted(values)
         totals = transport.sum_metrics([values[n] for n in names])
-        values = {name: total / ctx.world_size for name, total in zip(names, totals, strict=True)}
+        values = {name: total / ctx.learners for name, total in zip(names, totals, strict=True)}
     # A stop already asked for checkpoints this step next: its metrics belong with it.
     if ctx.is_main and (records_step(ctx.plan, step) or ctx.stop.is_set()):
         writer.write_metrics(ctx.plan.run_id, step, values)

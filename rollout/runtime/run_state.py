@@ -54,7 +54,9 @@ class RunState:
     tokenizer: Any
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    stream: PromptStream
+    stream: PromptStream | None
+    """The rank's prompt cursor; None on a learner of a disaggregated run (its actors take the
+    prompts, and skip the steps a resumed run already trained)."""
     extras: Mapping[str, Extra] = field(default_factory=dict)
     """Modules trained beside the policy (PPO's critic or value head)."""
     adapters: Adapters | None = None
@@ -78,7 +80,7 @@ class RunState:
         # Everything recorded up to this step reaches the store before the checkpoint exists, so
         # a crash after it loses no metric or log line of the steps it covers.
         writer.flush()
-        cursors = gather_by_rank(ctx, self.stream.state_dict())
+        cursors = gather_by_rank(ctx, None if self.stream is None else self.stream.state_dict())
         rng = gather_rng(ctx)
         if ctx.is_main and step > 0:
             started = time.perf_counter()
@@ -91,7 +93,7 @@ class RunState:
                 commit()
             blocking = time.perf_counter() - started
             writer.write_metrics(ctx.plan.run_id, step, {"perf/checkpoint_blocking_s": blocking})
-        if ctx.world_size > 1:
+        if ctx.learners > 1:
             transport.wait_for_every_rank()
 
     def _stage(
@@ -165,12 +167,14 @@ class RunState:
             extras=self.extras,
             adapters=self.adapters,
         )
-        self.stream.load_state_dict(state["cursor"][str(ctx.rank)])
-        # load_checkpoint restored the RNG states of the rank that saved (rank 0); every other
-        # rank's are in the trainer state.
+        index = ctx.seed_index
+        if self.stream is not None:
+            self.stream.load_state_dict(state["cursor"][str(index)])
+        # load_checkpoint restored the RNG states of the rank that saved (the first learner);
+        # every other learner's are in the trainer state.
         rng = state.get("rng", {})
-        if ctx.rank != 0:
-            if str(ctx.rank) not in rng:
+        if index != 0:
+            if str(index) not in rng:
                 log.warning(
                     "%s holds no RNG state for rank %d: its random draws will differ from an "
                     "uninterrupted run's",
@@ -178,7 +182,7 @@ class RunState:
                     ctx.rank,
                 )
             else:
-                set_rng_state(rng[str(ctx.rank)])
+                set_rng_state(rng[str(index)])
         return state
 
 
@@ -201,14 +205,16 @@ def _refuse_another_plan(ctx: WorkerContext, root: str | Path, found: Found, our
 
 
 def gather_by_rank(ctx: WorkerContext, value: Any) -> dict[str, Any]:
-    """Every rank's `value` (JSON data), keyed by rank as a string; collective."""
-    if ctx.world_size == 1:
+    """Every learner rank's `value` (JSON data), keyed by its index among the learners (its rank
+    when colocated) as a string; collective."""
+    if ctx.learners == 1:
         return {"0": value}
     return {str(rank): item for rank, item in enumerate(transport.gather_state(value))}
 
 
 def gather_rng(ctx: WorkerContext) -> dict[str, Any]:
-    """Every rank's RNG states but rank 0's (a checkpoint's own RNG files hold those)."""
-    if ctx.world_size == 1:
+    """Every learner rank's RNG states but the first's (a checkpoint's own RNG files hold
+    those)."""
+    if ctx.learners == 1:
         return {}
     return {rank: state for rank, state in gather_by_rank(ctx, rng_state()).items() if rank != "0"}

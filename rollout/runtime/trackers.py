@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from rollout.files import read_secret
+from rollout.planner.placement import recording_rank
 from rollout.storage.base import MetricRecord
 
 if TYPE_CHECKING:
@@ -325,9 +326,10 @@ def build_trackers(plan: Plan) -> list[Tracker]:
 
 
 def metric_sinks(plan: Plan, rank: int) -> list[MetricSink]:
-    """What a worker's store writer feeds: rank 0's trackers, behind one `TrackerSink`; nothing
-    on other ranks (rank 0 writes every metric) or when no worker-side tracker is configured."""
-    trackers = build_trackers(plan) if rank == 0 else []
+    """What a worker's store writer feeds: the recording rank's trackers (rank 0, or the first
+    learner of a disaggregated run), behind one `TrackerSink`; nothing on other ranks (that
+    rank writes every metric) or when no worker-side tracker is configured."""
+    trackers = build_trackers(plan) if rank == recording_rank(plan.graph) else []
     return [TrackerSink(trackers)] if trackers else []
 
 

@@ -7,6 +7,9 @@ log-probs), and the process group's key-value store (`process_group_store`, thro
 work queue hands out a step's prompts). This is the seam along which actor and learner will be
 split into processes of their own.
 
+Collectives over ranks run among the learners (`train_among`; colocated, that is every rank);
+what crosses from actors to learners (rollout batches, weights) is in rollout.runtime.weight_sync.
+
 Two kinds of calls. Those that take a step's tensors (gradients, token counts, batch values) ask
 the process group whether there are several ranks (`several_ranks`) and do nothing with one.
 Those a loop calls with the plan's world size in hand (metrics, state, the barrier) are
@@ -33,6 +36,10 @@ _device = torch.device("cpu")
 """Where the tensors this module makes travel from: the process group's backend decides, once, at
 join time (NCCL moves CUDA tensors only; gloo, and a single rank, use the CPU)."""
 
+_learners: Any = None
+"""The process group the learner ranks share: gradients, token counts, metrics and checkpoint
+state travel in it. None: the whole world (colocated, every rank is a learner)."""
+
 
 def join_process_group(world_size: int, backend: str, local_rank: int = 0) -> None:
     """Join the run's ranks (torchrun's environment says where they meet); one rank joins none.
@@ -49,15 +56,23 @@ def collective_device(backend: str, local_rank: int) -> torch.device:
 
 
 def leave_process_group() -> None:
-    global _device
+    global _device, _learners
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _device = torch.device("cpu")
+    _learners = None
+
+
+def train_among(group: Any) -> None:
+    """Make `group` (a learner group from rollout.runtime.weight_sync.make_groups) the group the
+    learner collectives of this module run in."""
+    global _learners
+    _learners = group
 
 
 def several_ranks() -> bool:
-    """Whether this process is one of several ranks in a process group."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    """Whether this process is one of several learner ranks in a process group."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(_learners) > 1
 
 
 def process_group_store() -> dist.Store:
@@ -67,8 +82,8 @@ def process_group_store() -> dist.Store:
 
 
 def wait_for_every_rank() -> None:
-    """Return once every rank got here (collective)."""
-    dist.barrier()
+    """Return once every learner rank got here (collective)."""
+    dist.barrier(group=_learners)
 
 
 # --- gradients -----------------------------------------------------------------------------------
@@ -79,10 +94,10 @@ def average_gradients(params: Iterable[torch.Tensor]) -> None:
     same parameters in the same order). Parameters without a gradient are left alone."""
     if not several_ranks():
         return
-    world = dist.get_world_size()
+    world = dist.get_world_size(_learners)
     for param in params:
         if param.grad is not None:
-            dist.all_reduce(param.grad)
+            dist.all_reduce(param.grad, group=_learners)
             param.grad /= world
 
 
@@ -92,7 +107,7 @@ def average_gradients(params: Iterable[torch.Tensor]) -> None:
 def sum_metrics(values: list[float]) -> list[float]:
     """Element-wise sums of every rank's `values` (the same length everywhere); collective."""
     stacked = torch.tensor(values, dtype=torch.float64, device=_device)
-    dist.all_reduce(stacked)
+    dist.all_reduce(stacked, group=_learners)
     return stacked.tolist()
 
 
@@ -103,8 +118,8 @@ def average_token_count(tokens: float) -> float:
     if not several_ranks():
         return tokens
     count = torch.tensor([tokens], dtype=torch.float64, device=_device)
-    dist.all_reduce(count)
-    return count.item() / dist.get_world_size()
+    dist.all_reduce(count, group=_learners)
+    return count.item() / dist.get_world_size(_learners)
 
 
 # --- batches -------------------------------------------------------------------------------------
@@ -116,8 +131,8 @@ def gather_batch(values: torch.Tensor) -> torch.Tensor:
     if not several_ranks():
         return values
     moving = values.to(_device).contiguous()  # a no-op where the backend takes them as they are
-    parts = [torch.empty_like(moving) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, moving)
+    parts = [torch.empty_like(moving) for _ in range(dist.get_world_size(_learners))]
+    dist.all_gather(parts, moving, group=_learners)
     return torch.cat(parts).to(values.device)
 
 
@@ -125,16 +140,17 @@ def gather_batch(values: torch.Tensor) -> torch.Tensor:
 
 
 def gather_state(value: Any) -> list[Any]:
-    """Every rank's ``value``, in rank order (JSON-able values only); collective."""
+    """Every learner rank's ``value``, in rank order (JSON-able values only); collective."""
     payload = torch.tensor(list(json.dumps(value).encode()), dtype=torch.uint8, device=_device)
-    world = dist.get_world_size()
+    world = dist.get_world_size(_learners)
     sizes = [torch.zeros(1, dtype=torch.long, device=_device) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.long, device=_device))
+    size = torch.tensor([payload.numel()], dtype=torch.long, device=_device)
+    dist.all_gather(sizes, size, group=_learners)
     longest = max(int(s.item()) for s in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8, device=_device)
     padded[: payload.numel()] = payload
     buffers = [torch.zeros(longest, dtype=torch.uint8, device=_device) for _ in range(world)]
-    dist.all_gather(buffers, padded)
+    dist.all_gather(buffers, padded, group=_learners)
     return [
         json.loads(bytes(buffer[: int(size.item())].cpu().tolist()).decode())
         for buffer, size in zip(buffers, sizes, strict=True)

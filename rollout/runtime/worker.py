@@ -130,7 +130,9 @@ def _setup_torch(context: WorkerContext) -> None:
     torch.set_num_threads(context.plan.derived.threads_per_process)
     from rollout.runtime.determinism import make_deterministic  # same plan, same run
 
-    make_deterministic(context.plan.seeds.per_rank[context.rank])
+    # Seeded by its index among its role's ranks: learner i (and actor i) of a disaggregated
+    # run draw what colocated rank i draws.
+    make_deterministic(context.plan.seeds.per_rank[context.seed_index])
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()

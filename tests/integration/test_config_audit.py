@@ -610,6 +610,11 @@ def _online_cases(kind: str) -> dict[str, list[Case]]:
         "loss_aggregation": [
             run_shows(kind, {"algorithm.loss_aggregation": "sequence_mean"}, base=STOPS)
         ],
+        # Staleness needs actors and learners apart; colocated (the base) it is refused, and
+        # what happens to stale samples is refused while nothing can be stale.
+        "max_staleness": [refused(kind, {"algorithm.max_staleness": 1})],
+        "stale_samples": [refused(kind, {"algorithm.stale_samples": "drop"})],
+        "tis_bound": [refused(kind, {"algorithm.tis_bound": 4.0})],
     }
     if kind in ("grpo", "rloo"):
         cases["kl_estimator"].append(
@@ -891,7 +896,17 @@ SECTION_CASES: dict[str, list[Case]] = {
                 "cluster.placement": {"actor": [0], "reward": [0], "learner": [1]},
                 "cluster.nproc_per_node": 2,
             },
-        )
+        ),
+        # Actors and learners apart (tests/integration/test_run_disaggregated.py runs it).
+        plan_shows(
+            "grpo",
+            {
+                "cluster.placement": {"actor": [0], "learner": [1]},
+                "cluster.nproc_per_node": 2,
+                "data.eval": DELETE,
+            },
+            lambda plan: [process.roles for process in plan.graph.processes],
+        ),
     ],
     "cluster.threads_per_process": [
         plan_shows("grpo", {"cluster.threads_per_process": 2}, derived("threads_per_process"))

@@ -71,22 +71,45 @@ def test_colocated_grpo_graph_keeps_edges_in_process(config_file, base_config):
 
 
 def test_split_placement_crosses_processes(config_file, base_config):
-    from rollout.config import validate_config
-    from rollout.planner.placement import build_graph
-
     base_config["algorithm"]["kl_coef"] = 0.1
     base_config["cluster"].update(nproc_per_node=2, placement={"actor": [0], "learner": [1]})
-    # This version cannot run it, so the plan refuses it, saying what works instead...
-    issue = issues_of(config_file, base_config)["cluster.placement"]
-    assert "actor->learner" in issue.message and "remove [cluster.placement]" in issue.hint
-    # ...but the graph it would run is laid out already.
-    graph = build_graph(validate_config(base_config), "cpu")
+    graph = plan_of(config_file, base_config).graph
     roles = {r.role: r.ranks for r in graph.roles}
     assert roles == {"actor": [0], "reward": [0], "reference": [1], "learner": [1]}
     transports = {(e.source, e.target): e.transport for e in graph.edges}
     assert transports[("actor", "learner")] == "torch_distributed"
     assert transports[("reference", "learner")] == "in_process"
     assert graph.processes[1].roles == ["reference", "learner"]
+
+
+def test_placements_that_cannot_run_are_refused_with_a_hint(config_file, base_config):
+    base_config["algorithm"]["kl_coef"] = 0.1
+    base_config["cluster"].update(nproc_per_node=3, placement={"actor": [0, 1], "learner": [1, 2]})
+    issue = issues_of(config_file, base_config)["cluster.placement"]
+    assert "overlap" in issue.message and "disjoint" in issue.hint
+    base_config["cluster"]["placement"] = {"actor": [0], "learner": [1, 2], "reference": [1]}
+    issue = issues_of(config_file, base_config)["cluster.placement.reference"]
+    assert "beside the learner" in issue.message and "remove reference" in issue.hint
+
+
+def test_staleness_needs_actors_and_learners_apart(config_file, base_config):
+    base_config["algorithm"]["max_staleness"] = 1
+    issue = issues_of(config_file, base_config)["algorithm.max_staleness"]
+    assert "nothing to overlap" in issue.message and "placement" in issue.hint
+    base_config["cluster"].update(nproc_per_node=2, placement={"actor": [0], "learner": [1]})
+    assert plan_of(config_file, base_config).config.algorithm.max_staleness == 1
+
+
+def test_stale_sample_settings_need_staleness(config_file, base_config):
+    from rollout.config import validate_config
+    from rollout.errors import ConfigError
+
+    base_config["algorithm"].update(stale_samples="drop", tis_bound=3.0)
+    with pytest.raises(ConfigError) as caught:
+        validate_config(base_config)
+    issues = {issue.path: issue for issue in caught.value.issues}
+    assert "max_staleness = 0" in issues["algorithm.stale_samples"].message
+    assert "max_staleness >= 1" in issues["algorithm.tis_bound"].hint
 
 
 def test_ppo_has_critic_and_reference(config_file, base_config):

@@ -394,6 +394,8 @@ def rank_context(rank: int, world: int, plan, *, keep_last: int = 2):
         rank=rank,
         world_size=world,
         is_main=rank == 0,
+        learners=world,  # colocated: every rank learns
+        seed_index=rank,
         plan=plan.model_copy(update={"config": config}),
         uploads=Uploads(),
     )
@@ -429,7 +431,7 @@ def test_every_rank_resumes_its_cursor_and_its_own_rng(
         module, "gather_by_rank", lambda ctx, value: {"0": value, "1": ranks[1].stream.state_dict()}
     )
     monkeypatch.setattr(module, "gather_rng", lambda ctx: {"1": rank1_rng})
-    monkeypatch.setattr(module.transport.dist, "barrier", lambda: None)
+    monkeypatch.setattr(module.transport.dist, "barrier", lambda group=None: None)
     torch.manual_seed(10)  # rank 0's
     writer = Writer()
     ranks[0].save(rank_context(0, 2, plan), writer, 4, {"policy_version": 4})

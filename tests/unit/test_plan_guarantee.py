@@ -43,10 +43,14 @@ CASES = {
             "cluster": {
                 "device": "cpu",
                 "nproc_per_node": 2,
-                "placement": {"actor": [0], "learner": [1]},
+                "placement": {"actor": [0, 1], "learner": [1]},
             }
         },
         "cluster.placement",
+    ),
+    "staleness with colocated roles": (
+        {"algorithm": {"max_staleness": 1}},
+        "algorithm.max_staleness",
     ),
     "threads past any machine": (
         {"cluster": {"device": "cpu", "threads_per_process": 9223372036854775807}},
@@ -117,6 +121,7 @@ def test_the_planner_refuses_what_run_cannot_do(case, config_file, base_config):
 PREFLIGHT = [
     "several nodes",
     "split placement",
+    "staleness with colocated roles",
     "artifacts in one process's memory",
     "remote model",
     "remote tokenizer",

@@ -31,7 +31,7 @@ class ThreadGroup:
         self.barrier = threading.Barrier(world, timeout=10)
         self.tensors: dict[int, torch.Tensor] = {}
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
+    def all_reduce(self, tensor: torch.Tensor, group: object = None) -> None:
         self.tensors[threading.get_ident()] = tensor.clone()
         self.barrier.wait()
         total = torch.stack(list(self.tensors.values())).sum(dim=0)
@@ -60,6 +60,7 @@ def context(rank: int, world: int, **plan_options) -> SimpleNamespace:
         rank=rank,
         world_size=world,
         is_main=rank == 0,
+        learners=world,  # colocated: every rank learns
         plan=plan(**plan_options),
         stop=threading.Event(),
     )

@@ -144,12 +144,14 @@ def test_algorithms_engines_harness_never_see_config_objects():
 
 
 def test_only_the_transport_talks_to_other_ranks():
-    """Every collective goes through rollout/runtime/transport.py, the seam between ranks
+    """Every collective goes through rollout/runtime/transport.py (among ranks of one role) or
+    weight_sync.py beside it (between actors and learners), the seams between ranks
     (torch.distributed.run, which launches the ranks, talks to none of them)."""
+    seams = {PACKAGE / "runtime" / "transport.py", PACKAGE / "runtime" / "weight_sync.py"}
     talking = [
         str(path.relative_to(REPO))
         for path in PACKAGE.rglob("*.py")
-        if path != PACKAGE / "runtime" / "transport.py"
+        if path not in seams
         and any(
             n.split(".")[:2] == ["torch", "distributed"] and n != "torch.distributed.run"
             for n in _imports(path)

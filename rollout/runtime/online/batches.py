@@ -7,6 +7,7 @@ so a batch is cheap to build, slice and (later) send between processes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -154,3 +155,70 @@ def _pad_optional(
     rows: list[list[float]] | None, width: int, device: torch.device | str
 ) -> torch.Tensor | None:
     return None if rows is None else pad_left(rows, width).to(device)
+
+
+# --- on the wire (actor process -> learner process) ----------------------------------------------
+
+
+def to_wire(batch: RolloutBatch) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """A batch as a JSON header and flat tensors (rollout.runtime.weight_sync sends them): the
+    ragged rows are concatenated, their lengths in the header. A batch crosses before the learner
+    scores it per token, so it has no token advantages, values or returns yet."""
+    if batch.token_advantages is not None or batch.old_values is not None:
+        raise ValueError("a batch crosses to the learner before it is scored per token")
+    header = {
+        "group_size": batch.group_size,
+        "policy_version": batch.policy_version,
+        "prompt_lengths": [len(p) for p in batch.prompt_ids],
+        "completion_lengths": [len(c) for c in batch.completion_ids],
+        "texts": list(batch.texts),
+    }
+    tensors = [
+        torch.tensor([t for p in batch.prompt_ids for t in p], dtype=torch.long, device="cpu"),
+        torch.tensor([t for c in batch.completion_ids for t in c], dtype=torch.long, device="cpu"),
+        torch.tensor(
+            [x for row in batch.old_logprobs for x in row], dtype=torch.float32, device="cpu"
+        ),
+        batch.rewards.float().cpu(),
+        batch.advantages.float().cpu(),
+    ]
+    return header, tensors
+
+
+def from_wire(header: dict[str, Any], tensors: list[torch.Tensor]) -> RolloutBatch:
+    """The inverse of `to_wire`."""
+    prompts, completions, logprobs, rewards, advantages = tensors
+    completion_lengths = header["completion_lengths"]
+    return RolloutBatch(
+        prompt_ids=_split(prompts.tolist(), header["prompt_lengths"]),
+        completion_ids=_split(completions.tolist(), completion_lengths),
+        old_logprobs=_split(logprobs.tolist(), completion_lengths),
+        rewards=rewards,
+        advantages=advantages,
+        group_size=header["group_size"],
+        policy_version=header["policy_version"],
+        texts=header["texts"],
+    )
+
+
+def concat(parts: list[RolloutBatch]) -> RolloutBatch:
+    """Batches one after another (shares of one step, from several actors)."""
+    first = parts[0]
+    return RolloutBatch(
+        prompt_ids=[row for part in parts for row in part.prompt_ids],
+        completion_ids=[row for part in parts for row in part.completion_ids],
+        old_logprobs=[row for part in parts for row in part.old_logprobs],
+        rewards=torch.cat([part.rewards for part in parts]),
+        advantages=torch.cat([part.advantages for part in parts]),
+        group_size=first.group_size,
+        policy_version=min(part.policy_version for part in parts),
+        texts=[text for part in parts for text in part.texts],
+    )
+
+
+def _split(flat: list, lengths: list[int]) -> list[list]:
+    rows, start = [], 0
+    for n in lengths:
+        rows.append(flat[start : start + n])
+        start += n
+    return rows

@@ -27,6 +27,7 @@ from rollout.harness.reward_runner import RewardRunner
 from rollout.models.loading import LoadedModel, apply_chat_template, load_model
 from rollout.models.lora import Adapters, add_adapters
 from rollout.planner.definition import Plan
+from rollout.planner.placement import is_disaggregated
 from rollout.runtime.checkpoint import Extra
 from rollout.runtime.components import build_optimizer, build_reward_functions, build_scheduler
 from rollout.runtime.context import WorkerContext
@@ -66,17 +67,26 @@ class Roles:
         self.engine.load_weights(None if shared else self.learner.model.state_dict(), version)
 
     def extras(self) -> dict[str, Extra]:
-        """What a checkpoint saves beside the policy: the critic, or the value head."""
-        critic = self.learner.critic
-        if critic is None:
-            return {}
-        if critic.shares_policy:
-            return {"value_head": Extra(critic.model.head)}
-        return {"critic": Extra(critic.model, critic.optimizer, critic.scheduler)}
+        return extras_of(self.learner)
+
+
+def extras_of(learner: Learner) -> dict[str, Extra]:
+    """What a checkpoint saves beside the policy: the critic, or the value head."""
+    critic = learner.critic
+    if critic is None:
+        return {}
+    if critic.shares_policy:
+        return {"value_head": Extra(critic.model.head)}
+    return {"critic": Extra(critic.model, critic.optimizer, critic.scheduler)}
 
 
 def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
     plan, config = ctx.plan, ctx.plan.config
+    if is_disaggregated(plan.graph):  # actors and learners on processes of their own
+        from rollout.runtime.online.disaggregated import train_split
+
+        train_split(ctx, writer)
+        return
     algo = config.algorithm
     torch.manual_seed(plan.seeds.per_rank[ctx.rank])
     roles = _build_roles(ctx)

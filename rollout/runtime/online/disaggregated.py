@@ -1,0 +1,248 @@
+"""The online loop with actors and learners on processes of their own (a placement such as
+{ actor = [0], learner = [1] }).
+
+Actor ranks hold the engine and the rewards: they generate and score a batch per step and send
+each learner its share of it. Learner ranks hold the policy, its optimizer (and reference,
+critic): they train on the step's batch as colocated ranks do, and after each step the first
+learner broadcasts the policy to every actor (perf/weight_sync_s).
+
+With algorithm.max_staleness = k the actors run ahead: batch s is sampled with the weights of
+version max(0, s - 1 - k), exactly (an actor waits for that version, and takes no newer one), so
+a run is reproducible and every collective lines up. k = 0 is the synchronous loop, and gives
+the colocated plan's numbers: actor i and learner i are seeded as colocated rank i.
+
+A resumed run starts from the learners' checkpoint: the first learner sends its weights and the
+step, and each actor skips the prompts of the steps already trained. Batches in flight when the
+run stopped are not saved; the resumed run samples them again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from rollout.runtime import transport, weight_sync
+from rollout.runtime.context import WorkerContext
+from rollout.runtime.online import trainer as colocated
+from rollout.runtime.online.algorithms import ALGORITHMS
+from rollout.runtime.online.batches import RolloutBatch, concat, from_wire, to_wire
+from rollout.runtime.online.prompts import load_data
+from rollout.runtime.online.staleness import correct_stale, current_logprobs
+from rollout.runtime.phases import PhaseClock
+from rollout.runtime.recording import record_metrics
+from rollout.runtime.run_state import RunState
+from rollout.seeds import derive_seed
+from rollout.storage.writer import BackgroundWriter
+
+log = logging.getLogger("rollout.trainer")
+
+
+def train_split(ctx: WorkerContext, writer: BackgroundWriter) -> None:
+    torch.manual_seed(ctx.plan.seeds.per_rank[ctx.seed_index])
+    groups = weight_sync.make_groups(ctx.role_ranks("actor"), ctx.role_ranks("learner"))
+    if "learner" in ctx.roles:
+        transport.train_among(groups.learner_group)
+        _learn(ctx, writer, groups)
+    else:
+        _act(ctx, groups)
+
+
+# --- the actor side ------------------------------------------------------------------------------
+
+
+def _act(ctx: WorkerContext, groups: weight_sync.Groups) -> None:
+    plan = ctx.plan
+    kind = ALGORITHMS[plan.config.algorithm.kind]
+    loaded, model, _ = colocated._load_policy(ctx)
+    engine = colocated._build_engine(ctx, loaded, model)
+    actor = colocated._build_actor(ctx, engine, colocated._prompt_format(plan.config, loaded), kind)
+    index = groups.actors.index(ctx.rank)
+    prompts = Prompts(ctx, index)
+    shares = _shares(ctx, groups, index)
+    staleness = plan.config.algorithm.max_staleness
+    total = plan.derived.total_steps
+
+    # The first sync: the learner's weights as it starts (resumed or not), and the step it is at.
+    header = _take_weights(groups, engine, model)
+    start = header["step"]
+    prompts.skip(start)
+    in_flight: list[weight_sync.Sent] = []
+    log.info(
+        "actor %d generating steps %d..%d (max staleness %d)", index, start + 1, total, staleness
+    )
+    for step in range(start + 1, total + 1):
+        if ctx.activity is not None:
+            ctx.activity.at_step(step)
+        # Batch `step` is sampled with version step - 1 - k exactly: deterministic staleness.
+        waited = time.perf_counter()
+        while engine.policy_version < max(start, step - 1 - staleness):
+            header = _take_weights(groups, engine, model)
+            if header.get("stop"):
+                return
+        wait_s = time.perf_counter() - waited
+        rows = prompts.take()
+        seed = derive_seed(plan.seeds.sampling, f"{step}:{index}")
+        rollout = actor.rollout(rows, seed=seed)
+        metrics = {**rollout.metrics, "perf/actor_wait_s": wait_s}
+        in_flight = [sent for sent in in_flight if not sent.done()]
+        for learner, (lo, hi) in zip(groups.learners, shares, strict=True):
+            wire, tensors = to_wire(rollout.batch.select(list(range(lo, hi))))
+            wire.update(step=step, metrics=metrics)
+            in_flight.append(weight_sync.send_message(wire, tensors, learner))
+    # The learners sync after every step: take the versions still owed, so the broadcasts match.
+    while engine.policy_version < total and not header.get("stop"):
+        header = _take_weights(groups, engine, model)
+    for sent in in_flight:
+        sent.wait()
+
+
+def _take_weights(groups: weight_sync.Groups, engine, model: torch.nn.Module) -> dict[str, Any]:
+    header, weights = weight_sync.receive_weights(groups, model.state_dict())
+    if not header.get("stop"):
+        engine.load_weights(weights, header["version"])
+    return header
+
+
+class Prompts:
+    """Where an actor's prompts come from: its static share of every step's prompts (actor i of
+    n takes what colocated rank i of n would). One small seam, so a shared work queue can take
+    its place."""
+
+    def __init__(self, ctx: WorkerContext, index: int):
+        self.per_step = ctx.plan.derived.prompts_per_rank
+        actors = len(ctx.role_ranks("actor"))
+        self.stream, _ = load_data(ctx, rank=index, world_size=actors)
+
+    def skip(self, steps: int) -> None:
+        """Pass over the prompts of `steps` steps already trained (a resumed run)."""
+        if steps:
+            self.stream.take(steps * self.per_step)
+
+    def take(self) -> list[dict[str, Any]]:
+        return [row.record for row in self.stream.take(self.per_step)]
+
+
+def _shares(ctx: WorkerContext, groups: weight_sync.Groups, index: int) -> list[tuple[int, int]]:
+    """For each learner, the rows [lo, hi) of this actor's batch that fall in its share of the
+    step's batch (the actors' batches one after another, cut in equal parts per learner)."""
+    plan = ctx.plan
+    per_actor = plan.derived.prompts_per_rank * plan.config.algorithm.num_generations
+    per_learner = per_actor * len(groups.actors) // len(groups.learners)
+    first = index * per_actor
+    shares = []
+    for j in range(len(groups.learners)):
+        lo = max(first, j * per_learner) - first
+        hi = min(first + per_actor, (j + 1) * per_learner) - first
+        shares.append((lo, max(lo, hi)))
+    return shares
+
+
+# --- the learner side ----------------------------------------------------------------------------
+
+
+def _learn(ctx: WorkerContext, writer: BackgroundWriter, groups: weight_sync.Groups) -> None:
+    plan, algo = ctx.plan, ctx.plan.config.algorithm
+    kind = ALGORITHMS[algo.kind]
+    loaded, model, adapters = colocated._load_policy(ctx)
+    reference = None
+    if plan.derived.keeps_reference_model:
+        reference = colocated._frozen_copy(model)
+    elif plan.derived.reference_adapters_off:
+        assert adapters is not None
+        reference = adapters.without_adapters()
+    critic = colocated._build_critic(model, algo, plan.derived) if kind.critic else None
+    learner = colocated._build_learner(ctx, model, loaded.pad_token_id, reference, critic)
+    token_advantages = colocated._token_advantages(plan, kind, learner, reference)
+    checkpoints = RunState(
+        plan.derived.artifacts,
+        model,
+        loaded.tokenizer,
+        learner.optimizer,
+        learner.scheduler,
+        None,  # the actors hold the prompt streams
+        colocated.extras_of(learner),
+        adapters,
+    )
+    main = ctx.rank == groups.source
+    start = 0
+    resumed = checkpoints.resume(ctx)
+    if resumed is not None:
+        start = resumed["step"]
+    if main:
+        weight_sync.send_weights(groups, model.state_dict(), {"version": start, "step": start})
+    total = plan.derived.total_steps
+    log.info("training %s for steps %d..%d", algo.kind, start + 1, total)
+    for step in range(start + 1, total + 1):
+        if ctx.stop.is_set():
+            log.warning("stop requested: checkpointing at step %d and exiting", step - 1)
+            checkpoints.save(ctx, writer, step - 1, {"policy_version": step - 1})
+            if main:
+                weight_sync.send_stop(groups, {"version": step - 1, "step": step - 1})
+            return
+        if ctx.activity is not None:
+            ctx.activity.at_step(step)
+        started = time.perf_counter()
+        clock = PhaseClock(ctx.device)
+        with clock.phase("receive"):
+            batch, actor_metrics = _receive(groups, step)
+        metrics = dict(actor_metrics)
+        # The policy about to train is version step - 1; the batch was sampled by an older one.
+        staleness = step - 1 - batch.policy_version
+        metrics["train/staleness"] = float(staleness)
+        if token_advantages is not None:
+            with clock.phase("shape"):
+                batch, shaping_metrics = token_advantages(batch)
+            metrics.update(shaping_metrics)
+        if staleness > 0:
+            with clock.phase("correct"):
+                batch, stale_metrics = _correct(learner, batch, algo)
+            metrics.update(stale_metrics)
+        with clock.phase("learn"):
+            metrics.update({f"train/{k}": v for k, v in learner.update(batch).items()})
+        with clock.phase("sync"):
+            if main:
+                weight_sync.send_weights(
+                    groups, model.state_dict(), {"version": step, "step": step}
+                )
+        elapsed = time.perf_counter() - started
+        metrics.update(clock.metrics())
+        metrics["perf/weight_sync_s"] = clock.seconds.get("sync", 0.0)
+        metrics["perf/learner_wait_s"] = clock.seconds["receive"]
+        metrics["perf/train_s"] = sum(
+            clock.seconds[name]
+            for name in ("shape", "correct", "learn", "sync")
+            if name in clock.seconds
+        )
+        metrics["perf/step_s"] = elapsed
+        completions = len(batch) * len(groups.learners)
+        metrics["perf/completions_per_s"] = completions / elapsed
+        tokens = metrics["perf/generated_tokens"] * len(groups.actors)
+        metrics["perf/tokens_per_s"] = tokens / elapsed
+        record_metrics(ctx, writer, step, metrics)
+        if step == total or step % plan.config.checkpoint.interval == 0:
+            checkpoints.save(ctx, writer, step, {"policy_version": step})
+
+
+def _receive(groups: weight_sync.Groups, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+    """This learner's share of batch `step`, from every actor in order, and the actors' rollout
+    metrics averaged over them (each sampled an equal share)."""
+    parts, sums = [], {}
+    for actor in groups.actors:
+        header, tensors = weight_sync.recv_message(actor)
+        if header["step"] != step:
+            raise RuntimeError(f"expected batch {step} from rank {actor}, got {header['step']}")
+        for name, value in header["metrics"].items():
+            sums[name] = sums.get(name, 0.0) + value
+        if header["completion_lengths"]:
+            parts.append(from_wire(header, tensors))
+    metrics = {name: total / len(groups.actors) for name, total in sums.items()}
+    return concat(parts), metrics
+
+
+def _correct(learner, batch: RolloutBatch, algo) -> tuple[RolloutBatch, dict[str, float]]:
+    """A stale batch against the policy the learner holds now (rollout.runtime.online.staleness)."""
+    current = current_logprobs(learner, batch, learner.knobs.micro_batch_size)
+    return correct_stale(batch, current, algo.stale_samples, algo.tis_bound)

@@ -1,0 +1,127 @@
+"""`rollout run` with actors and learners on processes of their own (gloo on CPU, torchrun).
+
+Each test runs the tiny model through the CLI: a world of 2 (one actor, one learner) and of 3 (one
+actor, two learners), the synchronous split against the colocated plan, an asynchronous run, and
+a resume. They take 15-40 s each, so they are marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from rollout.storage import open_store
+from tests.integration.driver import COUNTING_REWARD, rollout
+
+pytestmark = pytest.mark.slow
+
+SPLIT = ("cluster.nproc_per_node=2", "cluster.placement={ actor = [0], learner = [1] }")
+
+
+def _run(workdir, *settings: str, env: dict[str, str] | None = None, check: bool = True):
+    args = ["run", "--config", "examples/grpo-tiny.toml", "--set", "data.eval=null"]
+    # One thread per process on both sides: the colocated run then sums in the same order.
+    args += ["--set", "cluster.threads_per_process=1"]
+    for setting in settings:
+        args += ["--set", setting]
+    if env:
+        os.environ.update(env)
+    try:
+        result = rollout(workdir, *args)
+    finally:
+        for name in env or {}:
+            os.environ.pop(name, None)
+    if check:
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "Traceback" not in result.stdout + result.stderr
+    return result
+
+
+def _runs(workdir):
+    store = open_store(f"sqlite:{workdir / 'runs' / 'rollout.db'}", create=False)
+    return store, sorted(store.list_runs(), key=lambda r: r.run_id)
+
+
+def _series(store, run_id: str, name: str) -> list[float]:
+    return [m.value for m in sorted(store.metrics(run_id, [name]), key=lambda m: m.step)]
+
+
+def test_one_actor_one_learner_matches_the_colocated_run(workdir):
+    """k = 0: the same seeds, prompts and weights as one colocated process, so the same numbers."""
+    _run(workdir, "algorithm.max_steps=3")
+    _run(workdir, "algorithm.max_steps=3", *SPLIT)
+    store, (colocated, split) = _runs(workdir)
+    for record in (colocated, split):
+        assert record.status == "finished" and record.last_step == 3
+    for name in ("train/loss", "reward/mean", "train/grad_norm"):
+        assert _series(store, split.run_id, name) == _series(store, colocated.run_id, name), name
+    assert _series(store, split.run_id, "train/staleness") == [0.0, 0.0, 0.0]
+    assert all(s > 0 for s in _series(store, split.run_id, "perf/weight_sync_s"))
+    # The learner checkpoints; the actor saves nothing.
+    (checkpoint,) = (workdir / "runs").glob(f"{split.run_id}/checkpoints/step-000003")
+    assert (checkpoint / "model" / "model.safetensors").is_file()
+
+
+def test_one_actor_two_learners_train_to_the_end(workdir):
+    _run(
+        workdir,
+        "algorithm.max_steps=3",
+        "cluster.nproc_per_node=3",
+        "cluster.placement={ actor = [0], learner = [1, 2] }",
+    )
+    store, (record,) = _runs(workdir)
+    assert record.status == "finished" and record.last_step == 3
+    assert len(_series(store, record.run_id, "train/loss")) == 3
+    (checkpoint,) = (workdir / "runs").glob("*/checkpoints/step-000003")
+    state = json.loads((checkpoint / "trainer.json").read_text())["trainer_state"]
+    assert set(state["rng"]) == {"1"}  # the second learner's RNG states, by learner index
+
+
+def test_async_one_step_stale_runs_and_records_its_staleness(workdir):
+    _run(workdir, "algorithm.max_steps=4", "algorithm.max_staleness=1", *SPLIT)
+    store, (record,) = _runs(workdir)
+    assert record.status == "finished" and record.last_step == 4
+    # Batch s is sampled by version s - 2: batch 1 by the starting weights, then one behind.
+    assert _series(store, record.run_id, "train/staleness") == [0.0, 1.0, 1.0, 1.0]
+    for name in ("train/loss", "reward/mean", "train/stale_weight_mean"):
+        values = _series(store, record.run_id, name)
+        assert values and all(math.isfinite(v) for v in values), name
+
+
+def test_a_stopped_split_run_resumes_from_the_learners_checkpoint(workdir):
+    """The actor's reward fails on step 3's call: the run stops after the step-2 checkpoint;
+    the same plan run again resumes there and finishes."""
+    (workdir / "examples" / "counting.py").write_text(COUNTING_REWARD)
+    settings = (
+        "algorithm.max_steps=4",
+        "checkpoint.interval=2",
+        "rewards=[{ fn = './counting.py:counting' }]",
+        *SPLIT,
+    )
+    plan = workdir / "plan.lock"
+    args = ["plan", "--config", "examples/grpo-tiny.toml", "-o", str(plan)]
+    for setting in ("data.eval=null", *settings):
+        args += ["--set", setting]
+    planned = rollout(workdir, *args)
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    env = {"FAIL_AFTER": "2", "COUNT_FILE": str(workdir / "count")}
+    os.environ.update(env)
+    try:
+        failed = rollout(workdir, "run", "--plan", str(plan))
+    finally:
+        for name in env:
+            os.environ.pop(name)
+    assert failed.returncode != 0
+    store, (record,) = _runs(workdir)
+    assert [c.step for c in store.checkpoints(record.run_id)] == [2]
+
+    resumed = rollout(workdir, "run", "--plan", str(plan))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    store, (record,) = _runs(workdir)
+    assert record.status == "finished" and record.last_step == 4
+    assert [c.step for c in store.checkpoints(record.run_id)] == [2, 4]
+    logs = rollout(workdir, "logs", "tail", record.run_id, "--rank", "0")
+    assert "actor 0 generating steps 3..4" in logs.stdout, logs.stdout
