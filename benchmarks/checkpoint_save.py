@@ -14,6 +14,12 @@ thread while the next steps train). It reports, per side:
              steps trained while an upload was in flight (the upload competes for the cores)
 
     python benchmarks/checkpoint_save.py --steps 8 --interval 3
+
+`--staging-only` measures the part of an object-store save the step waits for, alone: staging
+with fresh copy buffers against staging into the previous save's buffers (as a run does,
+rollout.runtime.checkpoint.CopyBuffers), alternated --repeats times in one process, no upload.
+
+    python benchmarks/checkpoint_save.py --staging-only --repeats 5
 """
 
 from __future__ import annotations
@@ -41,7 +47,12 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--staging-only", action="store_true")
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    if args.staging_only:
+        staging_only(args)
+        return
 
     import torch
     from transformers.utils import logging as transformers_logging
@@ -84,7 +95,12 @@ def run(args: argparse.Namespace, root: str | Path) -> dict:
     from bench_models import random_model_dir
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout.runtime.checkpoint import commit_checkpoint, prune, stage_checkpoint
+    from rollout.runtime.checkpoint import (
+        CopyBuffers,
+        commit_checkpoint,
+        prune,
+        stage_checkpoint,
+    )
     from rollout.runtime.manifest import read_manifest
     from rollout.runtime.uploads import Uploads
 
@@ -98,6 +114,7 @@ def run(args: argparse.Namespace, root: str | Path) -> dict:
         0, model.config.vocab_size, (args.batch, args.tokens), generator=generator
     )
     uploads = Uploads()
+    buffers = CopyBuffers()  # one per run, as rollout.runtime.run_state.RunState holds it
     remote = isinstance(root, str)
     plain, saving, during, blocking, commit = [], [], [], [], []
     location = None
@@ -132,6 +149,7 @@ def run(args: argparse.Namespace, root: str | Path) -> dict:
             trainer_state={"step": step},
             run_id="bench",
             plan="bench",
+            buffers=buffers,
         )
         if remote:
             uploads.start(f"upload of step {step}", lambda staged=staged: committed(staged))
@@ -149,6 +167,50 @@ def run(args: argparse.Namespace, root: str | Path) -> dict:
         "commit": commit,
         "bytes": size,
     }
+
+
+def staging_only(args: argparse.Namespace) -> None:
+    """Stage a remote checkpoint (nothing is uploaded: the staged files are removed) with fresh
+    buffers and with reused ones, alternately; print the seconds of each and the ratio."""
+    import shutil
+
+    import torch
+    from bench_models import random_model_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rollout.runtime.checkpoint import CopyBuffers, stage_checkpoint
+
+    torch.set_num_threads(THREADS)
+    directory = random_model_dir(args.model, never_ends=False)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    batch = torch.randint(0, model.config.vocab_size, (1, 16))
+    model(input_ids=batch, labels=batch).loss.backward()
+    optimizer.step()  # AdamW's state exists: the checkpoint is weights + optimizer
+    kept = CopyBuffers()
+    times: dict[str, list[float]] = {"fresh": [], "reused": []}
+
+    def stage(buffers: CopyBuffers) -> float:
+        started = time.perf_counter()
+        staged = stage_checkpoint(
+            "s3://never-uploaded/checkpoints", 1, model=model, tokenizer=tokenizer,
+            optimizer=optimizer, scheduler=None, trainer_state={}, buffers=buffers,
+        )  # fmt: skip
+        seconds = time.perf_counter() - started
+        shutil.rmtree(staged.directory)
+        staged.deferred.clear()
+        return seconds
+
+    stage(kept)  # the run's first save allocates the buffers it keeps
+    for _ in range(args.repeats):
+        times["fresh"].append(stage(CopyBuffers()))
+        times["reused"].append(stage(kept))
+    fresh, reused = (statistics.median(times[side]) for side in ("fresh", "reused"))
+    print(f"{args.model} + AdamW state, staging for an object store, {THREADS} threads")
+    print(f" fresh buffers: {fmt(times['fresh'])} s (median {fresh:.2f})")
+    print(f"reused buffers: {fmt(times['reused'])} s (median {reused:.2f})")
+    print(f"reused / fresh: {reused / fresh:.2f}")
 
 
 def fmt(values: list[float]) -> str:
