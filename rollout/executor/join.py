@@ -67,7 +67,14 @@ def join_run(
             clear_old_reports(plan, node_rank)
             progress.on_start(plan, False)
             status, error = supervise(
-                plan, plan_copy, store, progress, owner.token, resolve(plan, node_rank), watch
+                plan,
+                plan_copy,
+                store,
+                progress,
+                owner.token,
+                resolve(plan, node_rank),
+                watch,
+                str(plan_path),
             )
             record, final = _verdict(store, plan.run_id, watch)
             return NodeOutcome(node_rank, status, error, record, final)

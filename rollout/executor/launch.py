@@ -101,6 +101,7 @@ def run_plan(plan_path: str | Path, *, progress: Progress | None = None) -> RunR
                     owner.token,
                     resolve(plan, 0),
                     _OwnerWatch(heartbeat, plan.run_id),
+                    str(plan_path),
                 )
             finally:
                 heartbeat.stop()
@@ -173,11 +174,13 @@ def supervise(
     token: str,
     rdzv: Rendezvous,
     watch: Callable[[RunStore], Stop | None],
+    plan_arg: str,
 ) -> tuple[str, str | None]:
     """Run this node's torchrun agent to its end; return this node's status and error.
 
     `watch` is asked twice a second whether to stop early (a cancel, a lost lease, the run
-    ended by node 0); a stop signal to this process stops the workers too.
+    ended by node 0); a stop signal to this process stops the workers too. `plan_arg` is the
+    plan.lock as the user named it, for messages.
     """
     run_dir = Path(plan.derived.run_dir)
     # Workers' and torchrun's own output goes to a file in the run directory: the terminal shows
@@ -217,7 +220,7 @@ def supervise(
     if process.returncode == 0:
         return "finished", None
     this_start = _read_from(output, start)
-    met = rendezvous_failure(rdzv, this_start, str(plan_copy))
+    met = rendezvous_failure(rdzv, this_start, plan_arg)
     if met is not None:
         return "failed", met
     return "failed", describe_failure(
@@ -284,6 +287,9 @@ def _worker_environment(plan: Plan, token: str) -> dict[str, str]:
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
         "TRANSFORMERS_VERBOSITY": "error",
         "TOKENIZERS_PARALLELISM": "false",
+        # torchrun's own wait between SIGTERM and SIGKILL when it ends its workers (a rank
+        # failed, or the host stopped it): the same grace as the host's, one knob for both.
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(max(1, round(stop_grace_seconds()))),
     }
 
 
