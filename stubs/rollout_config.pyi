@@ -75,6 +75,29 @@ class ClusterSection(TypedDict):
     processes.
 
     Range: ≥ 1, ≤ 4096. Default: None."""
+    rdzv_endpoint: NotRequired[str | None]
+    """HOST:PORT where the nodes meet (the rendezvous): node 0's address as the other nodes reach
+    it, and a port free there; node 0 listens on it. Required when nnodes > 1. None with one
+    node: 127.0.0.1 and a free port.
+
+    Default: None."""
+    rdzv_loopback: NotRequired[bool]
+    """Allow a loopback rdzv_endpoint (127.0.0.1, ::1, localhost) with nnodes > 1: every 'node'
+    is then a process on this one machine, for testing multi-node runs. Other machines can
+    never reach a loopback address.
+
+    Default: False."""
+    rdzv_timeout_s: NotRequired[float]
+    """How long a node waits for all nnodes nodes to join the rendezvous before the run fails,
+    naming the endpoint and the nodes missing.
+
+    Range: > 0, ≤ 86400. Default: 300.0."""
+    collective_timeout_s: NotRequired[float]
+    """How long a rank waits in one collective (gradient averaging, a barrier) for the other
+    ranks before the run fails, naming the rank, its role and its step. Must exceed the
+    longest time one rank may work alone between collectives.
+
+    Range: > 0, ≤ 86400. Default: 600.0."""
 
 class DataSection(TypedDict):
     train: DataSource

@@ -69,7 +69,14 @@ def plan(
         f"{the_plan.derived.total_steps} steps, {the_plan.graph.world_size} "
         f"{the_plan.graph.device} process(es), ~{gib(used)} of {gib(capacity)})"
     )
-    stdout.print(f"  next: rollout run --plan {output}")
+    nnodes = the_plan.graph.nnodes
+    if nnodes == 1:
+        stdout.print(f"  next: rollout run --plan {output}")
+    else:  # every node runs the same plan.lock, each with its own rank
+        stdout.print(
+            f"  next: copy {output} to each of the {nnodes} nodes, then on node K (0..{nnodes - 1})"
+            f": rollout run --plan {output} --node-rank K"
+        )
 
 
 @plan_app.command("show")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
@@ -11,6 +11,10 @@ from rich.markup import escape
 from rollout.cli.options import SetOption, local_path
 from rollout.cli.render import stderr, stdout, user_errors
 from rollout.errors import Issue, RolloutError
+
+if TYPE_CHECKING:
+    from rollout.executor.join import NodeOutcome
+    from rollout.storage.base import RunRecord
 
 EXIT_FAILED = 1
 EXIT_STOPPED = 130
@@ -29,23 +33,49 @@ def run(
         ),
     ] = None,
     set_: SetOption = None,
+    node_rank: Annotated[
+        int | None,
+        typer.Option(
+            "--node-rank",
+            help="This machine's place among the plan's cluster.nnodes nodes: 0 owns the run, "
+            "1..nnodes-1 join it. Every node runs the same plan.lock (SLURM: $SLURM_NODEID; "
+            "a Kubernetes indexed Job: $JOB_COMPLETION_INDEX).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Run a plan to the end with a progress bar; re-running a plan resumes it.
 
     Refuses a plan edited by hand, a stale plan, or an unknown format.
     """
-    from rollout.cli.progress import RunView, summary
+    from rollout.cli.progress import RunView
     from rollout.executor.launch import run_plan
-    from rollout.storage import open_store
 
     view = RunView(stdout, stderr)
     with user_errors():
+        _check_node_option(node_rank, config)
         plan_path = _plan_path(local_path(plan, "--plan"), local_path(config), set_ or [])
         try:
-            record = run_plan(plan_path, progress=view.callbacks)
+            if node_rank:
+                from rollout.executor.join import join_run
+
+                outcome = join_run(plan_path, node_rank, progress=view.callbacks)
+            else:
+                record = run_plan(plan_path, progress=view.callbacks)
         finally:
             view.stop()
-    if view.shows_progress:
+    if node_rank:
+        _end_joined(outcome, plan_path)
+        return
+    _end(record, plan_path, view.shows_progress)
+
+
+def _end(record: RunRecord, plan_path: Path, shows_progress: bool) -> None:
+    """Node 0's last word: the summary, the run's status, its exit code."""
+    from rollout.cli.progress import summary
+    from rollout.storage import open_store
+
+    if shows_progress:
         store = open_store(_store_of(plan_path))
         try:
             table = summary(record, store)
@@ -63,6 +93,63 @@ def run(
         )
         raise typer.Exit(EXIT_STOPPED)
     stdout.print(f"[green]✓[/] {record.run_id} finished; logs: rollout logs tail {record.run_id}")
+
+
+def _end_joined(outcome: NodeOutcome, plan_path: Path) -> None:
+    """A joining node's last word: the run's outcome as node 0 recorded it, and this node's own
+    error where it says more; the exit code is the run's (this node's if node 0 never ended it)."""
+    node = f"node {outcome.node_rank}"
+    if outcome.final and outcome.record is not None:
+        record = outcome.record
+        if record.status == "finished":
+            stdout.print(f"[green]✓[/] {record.run_id} finished ({node} done)")
+            return
+        if record.status == "stopped":
+            stderr.print(f"[yellow]stopped[/] ({node}): node 0 restarts the run")
+            raise typer.Exit(EXIT_STOPPED)
+        stderr.print(f"[bold red]run {record.status}[/]: {escape(record.error or '')}")
+        if outcome.error and outcome.error != record.error and outcome.status == "failed":
+            stderr.print(f"[bold red]{node}[/]: {escape(outcome.error)}")
+        raise typer.Exit(EXIT_FAILED)
+    if outcome.status == "finished":
+        stdout.print(
+            f"[green]✓[/] {node}: its workers finished; node 0 has not recorded the run's end "
+            "yet (`rollout runs show` will)"
+        )
+        return
+    if outcome.status == "stopped":
+        stderr.print(
+            f"[yellow]stopped[/] ({node}): resume with "
+            f"`rollout run --plan {escape(str(plan_path))} --node-rank {outcome.node_rank}`"
+        )
+        raise typer.Exit(EXIT_STOPPED)
+    stderr.print(f"[bold red]{node} failed[/]: {escape(outcome.error or '')}")
+    raise typer.Exit(EXIT_FAILED)
+
+
+def _check_node_option(node_rank: int | None, config: str | None) -> None:
+    if node_rank is None:
+        return
+    if node_rank < 0:
+        raise RolloutError(
+            Issue(
+                "--node-rank",
+                "a node rank counts from 0 (node 0 owns the run)",
+                value=node_rank,
+                hint="give 0 .. cluster.nnodes - 1",
+            )
+        )
+    if config is not None:
+        raise RolloutError(
+            Issue(
+                "--node-rank",
+                "takes --plan: every node runs the same plan.lock, and --config would plan a "
+                "new run on each",
+                value=node_rank,
+                hint="rollout plan --config run.toml -o plan.lock once, copy plan.lock to every "
+                "node, then rollout run --plan plan.lock --node-rank K on each",
+            )
+        )
 
 
 def _plan_path(plan: Path | None, config: Path | None, overrides: list[str]) -> Path:

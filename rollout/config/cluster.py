@@ -1,15 +1,50 @@
-"""[cluster]: how many processes on how many nodes, on which devices, running which roles."""
+"""[cluster]: how many processes on how many nodes, on which devices, running which roles, and
+where and how long the nodes wait for one another."""
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from rollout.config.base import ConfigModel
 
 Role = Literal["actor", "learner", "reference", "critic", "reward"]
 ROLES: tuple[Role, ...] = ("actor", "learner", "reference", "critic", "reward")
+
+LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """'host:port' (or '[v6-address]:port') as (host, port); ValueError saying what is wrong."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(
+            f"must be HOST:PORT (node 0's address and a free port, e.g. 'node0.cluster:29500'), "
+            f"got {endpoint!r}"
+        )
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(f"port {port} is not between 1 and 65535")
+    host = host.removeprefix("[").removesuffix("]")
+    if any(c.isspace() for c in host) or "/" in host:
+        raise ValueError(f"{host!r} is not a host name or address")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_endpoint(endpoint: str) -> str:
+    split_endpoint(endpoint)
+    return endpoint
 
 
 class ClusterSection(ConfigModel):
@@ -36,4 +71,31 @@ class ClusterSection(ConfigModel):
         le=4096,
         description="CPU threads each worker's torch may use. None: the CPU cores divided among "
         "the node's processes.",
+    )
+    rdzv_endpoint: Annotated[str, AfterValidator(_check_endpoint)] | None = Field(
+        default=None,
+        description="HOST:PORT where the nodes meet (the rendezvous): node 0's address as the "
+        "other nodes reach it, and a port free there; node 0 listens on it. Required when "
+        "nnodes > 1. None with one node: 127.0.0.1 and a free port.",
+    )
+    rdzv_loopback: bool = Field(
+        default=False,
+        description="Allow a loopback rdzv_endpoint (127.0.0.1, ::1, localhost) with nnodes > 1: "
+        "every 'node' is then a process on this one machine, for testing multi-node runs. "
+        "Other machines can never reach a loopback address.",
+    )
+    rdzv_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        le=86400,
+        description="How long a node waits for all nnodes nodes to join the rendezvous before the "
+        "run fails, naming the endpoint and the nodes missing.",
+    )
+    collective_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        le=86400,
+        description="How long a rank waits in one collective (gradient averaging, a barrier) for "
+        "the other ranks before the run fails, naming the rank, its role and its step. Must "
+        "exceed the longest time one rank may work alone between collectives.",
     )

@@ -17,6 +17,7 @@ from rollout.config.algorithm import (
     OnPolicyKnobs,
     PpoConfig,
 )
+from rollout.config.cluster import is_loopback, split_endpoint
 from rollout.config.data import FieldMap
 from rollout.config.generation import GenerationSection
 from rollout.config.logging import TRACKER_OPTIONS
@@ -686,6 +687,41 @@ def placement_fits_cluster(config: RunConfig) -> Iterator[Issue]:
             "cluster.placement",
             f"process ranks {idle}{more} run no role",
             hint="place a role on them, or lower nproc_per_node / nnodes",
+        )
+
+
+@rule("cluster")
+def nodes_can_meet(config: RunConfig) -> Iterator[Issue]:
+    """Several nodes meet at an endpoint every one of them can reach; one node needs none."""
+    cluster = config.cluster
+    endpoint = cluster.rdzv_endpoint
+    if cluster.nnodes > 1 and endpoint is None:
+        yield Issue(
+            "cluster.rdzv_endpoint",
+            f"{cluster.nnodes} nodes must meet somewhere: give node 0's address as the other "
+            "nodes reach it, and a port free there",
+            hint='set rdzv_endpoint = "node0.example:29500" (a host name or IP address of node '
+            "0; on SLURM the first host of $SLURM_JOB_NODELIST, on Kubernetes a headless "
+            "Service in front of node 0)",
+        )
+        return
+    loopback = endpoint is not None and is_loopback(split_endpoint(endpoint)[0])
+    if cluster.nnodes > 1 and loopback and not cluster.rdzv_loopback:
+        yield Issue(
+            "cluster.rdzv_endpoint",
+            f"{endpoint} is a loopback address: nodes on other machines can never reach it",
+            value=endpoint,
+            hint="use node 0's host name or network address, or, to run every node on this one "
+            "machine for a test, set rdzv_loopback = true",
+        )
+    if cluster.rdzv_loopback and not (cluster.nnodes > 1 and loopback):
+        yield Issue(
+            "cluster.rdzv_loopback",
+            "rdzv_loopback allows a loopback rdzv_endpoint with several nodes, and this config "
+            f"has {'no loopback endpoint' if cluster.nnodes > 1 else 'one node'}: it would be "
+            "ignored",
+            value=True,
+            hint="remove rdzv_loopback",
         )
 
 

@@ -8,7 +8,9 @@ The host never imports the runtime. In order, `run_plan`:
    in the store; a second start of the same plan is refused with who holds it, and a plan whose
    run id belongs to another plan in the store is refused; a finished run is not started again;
 3. starts the reaper and torchrun (gloo on CPU, nccl on GPU) bound to this process
-   (rollout.executor.processes: no process of the run outlives it, however this one ends);
+   (rollout.executor.processes: no process of the run outlives it, however this one ends), as
+   node 0 of the plan's nodes (rollout.executor.rendezvous: where they meet); the other nodes
+   join with `rollout run --plan plan.lock --node-rank K` (rollout.executor.join);
 4. polls the run store for progress and cancellation while a heartbeat renews the lease; on
    Ctrl-C, SIGTERM, SIGHUP (a closed terminal) or `rollout runs cancel`, stops the workers
    (SIGTERM: they checkpoint the step they finished; SIGKILL after a grace period, or at once on a
@@ -24,7 +26,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,10 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollout.errors import Issue, RolloutError
-from rollout.executor.failure import describe_failure
-from rollout.executor.ownership import Heartbeat, Owner, claim, directory_lock, lease_seconds
+from rollout.executor.failure import activity_file, describe_failure, error_file, fault_file
+from rollout.executor.ownership import Heartbeat, claim, directory_lock, lease_seconds
 from rollout.executor.preflight import verify_plan
 from rollout.executor.processes import RUN_TOKEN_ENV, Reaper, kill_marked
+from rollout.executor.rendezvous import Rendezvous, check_node_rank, rendezvous_failure, resolve
 from rollout.planner.definition import Plan
 from rollout.storage import open_store
 from rollout.storage.base import RunRecord, RunStore
@@ -59,9 +61,11 @@ class Progress:
 
 
 def run_plan(plan_path: str | Path, *, progress: Progress | None = None) -> RunRecord:
-    """Verify and execute a plan; block until the run ends; return its record."""
+    """Verify and execute a plan as its node 0 (the node that owns the run); block until the run
+    ends; return its record."""
     progress = progress or Progress()
     plan = verify_plan(plan_path)
+    check_node_rank(plan, 0)
     lock_sha256 = _lock_sha256(Path(plan_path))
     run_dir = Path(plan.derived.run_dir)
     with directory_lock(run_dir, plan.run_id) as owner:
@@ -82,18 +86,56 @@ def run_plan(plan_path: str | Path, *, progress: Progress | None = None) -> RunR
             lease_s = lease_seconds()
             claim(store, plan.run_id, owner, lease_s)
             status, error = "failed", "the host stopped before its workers ended"
+            heartbeat = Heartbeat(
+                lambda: open_store(plan.derived.store), plan.run_id, owner, lease_s, lambda: None
+            )
             try:
-                plan_copy = _copy_plan(Path(plan_path), run_dir)
-                _clear_old_reports(run_dir)
+                plan_copy = copy_plan(Path(plan_path), run_dir)
+                clear_old_reports(plan, 0)
                 progress.on_start(plan, existing is not None)
-                status, error = _supervise(plan, plan_copy, store, progress, owner, lease_s)
+                status, error = supervise(
+                    plan,
+                    plan_copy,
+                    store,
+                    progress,
+                    owner.token,
+                    resolve(plan, 0),
+                    _OwnerWatch(heartbeat, plan.run_id),
+                    str(plan_path),
+                )
             finally:
+                heartbeat.stop()
                 store.end_run(plan.run_id, owner.to_json(), status, error=error)
             record = store.get_run(plan.run_id)
             assert record is not None
             return record
         finally:
             store.close()
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Why the host stops its workers before they end: the status and error the node reports,
+    and whether at once (SIGKILL) or after the grace period (SIGTERM first)."""
+
+    status: str
+    error: str | None = None
+    at_once: bool = False
+
+
+class _OwnerWatch:
+    """What ends node 0's run early: its lease taken over, or `rollout runs cancel`."""
+
+    def __init__(self, heartbeat: Heartbeat, run_id: str):
+        self.heartbeat = heartbeat
+        self.run_id = run_id
+
+    def __call__(self, store: RunStore) -> Stop | None:
+        if self.heartbeat.lost.is_set():
+            return Stop("lost", "another host took the run over: this one missed its lease", True)
+        if _cancel_requested(store, self.run_id):
+            return Stop("stopped")
+        return None
 
 
 def _existing_run(store: RunStore, plan: Plan, lock_sha256: str) -> RunRecord | None:
@@ -113,61 +155,99 @@ def _existing_run(store: RunStore, plan: Plan, lock_sha256: str) -> RunRecord | 
     return existing
 
 
-def _copy_plan(plan_path: Path, run_dir: Path) -> Path:
+def copy_plan(plan_path: Path, run_dir: Path) -> Path:
+    """The plan the workers read, in the run directory. Written whole and then renamed: on a run
+    directory that several nodes share, another node's workers may be reading it."""
     plan_copy = run_dir / "plan.lock"
     if plan_path.resolve() != plan_copy.resolve():
-        shutil.copyfile(plan_path, plan_copy)
+        temp = run_dir / f".plan.lock.{os.getpid()}.tmp"
+        shutil.copyfile(plan_path, temp)
+        os.replace(temp, plan_copy)
     return plan_copy
 
 
-def _supervise(
+def supervise(
     plan: Plan,
     plan_copy: Path,
     store: RunStore,
     progress: Progress,
-    owner: Owner,
-    lease_s: float,
+    token: str,
+    rdzv: Rendezvous,
+    watch: Callable[[RunStore], Stop | None],
+    plan_arg: str,
 ) -> tuple[str, str | None]:
+    """Run this node's torchrun agent to its end; return this node's status and error.
+
+    `watch` is asked twice a second whether to stop early (a cancel, a lost lease, the run
+    ended by node 0); a stop signal to this process stops the workers too. `plan_arg` is the
+    plan.lock as the user named it, for messages.
+    """
     run_dir = Path(plan.derived.run_dir)
     # Workers' and torchrun's own output goes to a file in the run directory: the terminal shows
     # the progress bar, the run store has the logs, and a failure is summarized from the files.
-    output = run_dir / "torchrun.log"
+    output = run_dir / torchrun_log_name(rdzv.node_rank)
+    start = output.stat().st_size if output.exists() else 0  # this start's part of the log
     stops = _StopRequests(progress.on_signal)
-    reaper = Reaper(owner.token)
-    heartbeat = Heartbeat(
-        lambda: open_store(plan.derived.store), plan.run_id, owner, lease_s, stops.lease_lost
-    )
+    reaper = Reaper(token)
     previous = stops.install()
     process = None
     try:
         with output.open("ab") as log_file:
             process = subprocess.Popen(
-                _torchrun_command(plan, plan_copy),
+                _torchrun_command(plan, plan_copy, rdzv),
                 start_new_session=True,  # Ctrl-C reaches the host only; the host decides
-                env=_worker_environment(plan, owner.token),
+                env=_worker_environment(plan, token),
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
             )
         while process.poll() is None:
-            if heartbeat.lost.is_set():
-                _kill_now(process, owner.token)
-                return "lost", "another host took the run over: this one missed its lease"
-            if stops.requested or _cancel_requested(store, plan.run_id):
-                _stop(process, owner.token, stops)
-                return "stopped", None
+            stop = Stop("stopped") if stops.requested else watch(store)
+            if stop is not None:
+                if stop.at_once:
+                    _kill_now(process, token)
+                else:
+                    _stop(process, token, stops)
+                return stop.status, stop.error
             progress.on_poll(plan, store)
             time.sleep(POLL_SECONDS)
         progress.on_poll(plan, store)
     finally:
         _restore_signals(previous)
         if process is not None and process.poll() is None:
-            _kill_now(process, owner.token)
-        kill_marked(owner.token)  # e.g. a reward plugin's children, left behind by a worker
-        heartbeat.stop()
+            _kill_now(process, token)
+        kill_marked(token)  # e.g. a reward plugin's children, left behind by a worker
         reaper.close()
     if process.returncode == 0:
         return "finished", None
-    return "failed", describe_failure(run_dir, process.returncode, output)
+    this_start = _read_from(output, start)
+    met = rendezvous_failure(rdzv, this_start, plan_arg)
+    if met is not None:
+        return "failed", met
+    return "failed", describe_failure(
+        run_dir,
+        process.returncode,
+        output,
+        roles={p.rank: "+".join(p.roles) for p in plan.graph.processes},
+        collective_timeout_s=plan.config.cluster.collective_timeout_s,
+        torchrun_output=this_start,
+    )
+
+
+def torchrun_log_name(node_rank: int) -> str:
+    """Each node's torchrun output has a file of its own, should nodes share the run directory."""
+    return "torchrun.log" if node_rank == 0 else f"torchrun-node-{node_rank}.log"
+
+
+def node_ranks(plan: Plan, node_rank: int) -> list[int]:
+    """The global ranks of the plan's processes on node `node_rank`."""
+    return [p.rank for p in plan.graph.processes if p.node == node_rank]
+
+
+def _read_from(path: Path, offset: int) -> str:
+    with contextlib.suppress(OSError), path.open("rb") as file:
+        file.seek(offset)
+        return file.read().decode("utf-8", errors="replace")
+    return ""
 
 
 class _StopRequests:
@@ -192,9 +272,6 @@ class _StopRequests:
         self.names.append(name)
         self._on_signal(name)
 
-    def lease_lost(self) -> None:
-        self.names.append("lease lost")
-
 
 def _worker_environment(plan: Plan, token: str) -> dict[str, str]:
     return {
@@ -210,21 +287,21 @@ def _worker_environment(plan: Plan, token: str) -> dict[str, str]:
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
         "TRANSFORMERS_VERBOSITY": "error",
         "TOKENIZERS_PARALLELISM": "false",
+        # torchrun's own wait between SIGTERM and SIGKILL when it ends its workers (a rank
+        # failed, or the host stopped it): the same grace as the host's, one knob for both.
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(max(1, round(stop_grace_seconds()))),
     }
 
 
-def _torchrun_command(plan: Plan, plan_copy: Path) -> list[str]:
-    graph = plan.graph
+def _torchrun_command(plan: Plan, plan_copy: Path, rdzv: Rendezvous) -> list[str]:
     return [
         sys.executable,
         "-m",
         "rollout.executor.torchrun",
         str(os.getpid()),
         "--",
-        "--nnodes=1",
-        f"--nproc_per_node={graph.nproc_per_node}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
+        *rdzv.torchrun_args(),
+        f"--nproc_per_node={plan.graph.nproc_per_node}",
         "--max_restarts=0",
         "--monitor_interval=0.5",
         "--module",
@@ -232,12 +309,6 @@ def _torchrun_command(plan: Plan, plan_copy: Path) -> list[str]:
         "--plan",
         str(plan_copy),
     ]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _restore_signals(previous: dict[int, object]) -> None:
@@ -280,11 +351,17 @@ def _kill_now(process: subprocess.Popen[bytes], token: str) -> None:
     kill_marked(token)
 
 
-def _clear_old_reports(run_dir: Path) -> None:
-    """What workers of an earlier attempt reported (errors, activity) is not this attempt's."""
-    for name in ("errors", "workers"):
-        if (run_dir / name).is_dir():
-            shutil.rmtree(run_dir / name)
+def clear_old_reports(plan: Plan, node_rank: int) -> None:
+    """What this node's workers reported in an earlier attempt (errors, activity) is not this
+    attempt's. Only this node's ranks' files: another node may share the run directory."""
+    run_dir = Path(plan.derived.run_dir)
+    for rank in node_ranks(plan, node_rank):
+        for path in (
+            error_file(run_dir, rank),
+            fault_file(run_dir, rank),
+            activity_file(run_dir, rank),
+        ):
+            path.unlink(missing_ok=True)
 
 
 def _lock_sha256(path: Path) -> str:

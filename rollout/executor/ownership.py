@@ -102,11 +102,13 @@ def _start_ticks(pid: int) -> int:
 
 
 @contextlib.contextmanager
-def directory_lock(run_dir: Path, run_id: str) -> Iterator[Owner]:
-    """Hold `<run_dir>/owner.lock` for the block; refuse if another process holds it."""
+def directory_lock(run_dir: Path, run_id: str, *, lock_name: str = LOCK_FILE) -> Iterator[Owner]:
+    """Hold `<run_dir>/<lock_name>` for the block; refuse if another process holds it. Node 0,
+    the run's owner, holds owner.lock; a node joining it (rollout.executor.join) a lock of its
+    own, so that nodes sharing the run directory do not refuse one another."""
     run_dir.mkdir(parents=True, exist_ok=True)
     owner = Owner.this_process()
-    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(run_dir / lock_name, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -41,12 +42,16 @@ _learners: Any = None
 state travel in it. None: the whole world (colocated, every rank is a learner)."""
 
 
-def join_process_group(world_size: int, backend: str, local_rank: int = 0) -> None:
+def join_process_group(
+    world_size: int, backend: str, local_rank: int = 0, timeout_s: float | None = None
+) -> None:
     """Join the run's ranks (torchrun's environment says where they meet); one rank joins none.
-    With NCCL, metrics, counts and state travel from cuda:`local_rank`."""
+    With NCCL, metrics, counts and state travel from cuda:`local_rank`. A collective that waits
+    longer than `timeout_s` for the other ranks raises (None: torch's default) rather than hang."""
     global _device
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+        dist.init_process_group(backend=backend, timeout=timeout)
         _device = collective_device(backend, local_rank)
 
 

@@ -140,7 +140,12 @@ def _setup_torch(context: WorkerContext) -> None:
         torch.cuda.set_device(context.local_rank)
     from rollout.runtime import transport
 
-    transport.join_process_group(context.world_size, context.plan.graph.backend, context.local_rank)
+    transport.join_process_group(
+        context.world_size,
+        context.plan.graph.backend,
+        context.local_rank,
+        timeout_s=context.plan.config.cluster.collective_timeout_s,
+    )
 
 
 def _teardown_torch() -> None:

@@ -883,7 +883,26 @@ SECTION_CASES: dict[str, list[Case]] = {
         run_shows("grpo", {"rewards[1].timeout_s": 0.02}, timed_out, base=SLOW_REWARD, fails=True),
         run_shows("grpo", {"rewards[0].timeout_s": 1e-6}, timed_out, base=REWARD_MODEL, fails=True),
     ],
-    "cluster.nnodes": [refused("grpo", {"cluster.nnodes": 2})],
+    # Several nodes need an endpoint and a store they all reach: where AUDIT_DSN names a server
+    # the graph spans two nodes; elsewhere the plan is refused (the DSN cannot be read).
+    "cluster.nnodes": [
+        plan_shows(
+            "grpo",
+            {
+                "cluster.nnodes": 2,
+                "cluster.rdzv_endpoint": "node0.example:29500",
+                "storage.backend": "postgres",
+                "storage.postgres_dsn": "env:AUDIT_DSN",
+            },
+            lambda p: (p.graph.nnodes, p.graph.world_size),
+        ),
+    ],
+    # Where nodes meet is read when there are several; a loopback address other machines can
+    # never reach is refused without rdzv_loopback (the runs are tests/integration/test_multi_node)
+    "cluster.rdzv_endpoint": [
+        refused("grpo", {"cluster.rdzv_endpoint": "127.0.0.1:29500", "cluster.nnodes": 2})
+    ],
+    "cluster.rdzv_loopback": [refused("grpo", {"cluster.rdzv_loopback": True})],
     "cluster.nproc_per_node": [
         plan_shows("grpo", {"cluster.nproc_per_node": 2}, lambda p: p.graph.world_size)
     ],
@@ -973,8 +992,16 @@ def _all_cases() -> dict[str, list[Case]]:
 
 CASES = _all_cases()
 
-UNOBSERVABLE: dict[str, str] = {}
-"""Field -> why no case can show its effect on this machine, reviewed one by one (none now)."""
+UNOBSERVABLE: dict[str, str] = {
+    "cluster.rdzv_timeout_s": "read by torchrun agents meeting across nodes, and the audit's "
+    "runs are one worker in this process: test_multi_node's rendezvous that never forms ends "
+    "within it",
+    "cluster.collective_timeout_s": "read where several ranks join a process group, and the "
+    "audit's runs are one worker in this process: test_multi_node's stalled rank ends the run "
+    "after it",
+}
+"""Field -> why no case can show its effect here, reviewed one by one, each naming the test that
+shows it where it can be seen."""
 
 
 # --- the tests -----------------------------------------------------------------------------------

@@ -37,7 +37,18 @@ CASES = {
         {"storage": {"backend": "postgres", "postgres_dsn": "env:ROLLOUT_TEST_UNSET_DSN"}},
         "storage.postgres_dsn",
     ),
-    "several nodes": ({"cluster": {"device": "cpu", "nnodes": 2}}, "cluster.nnodes"),
+    "several nodes on a SQLite store": (
+        {"cluster": {"device": "cpu", "nnodes": 2, "rdzv_endpoint": "node0.example:29500"}},
+        "storage.backend",
+    ),
+    "several nodes without an endpoint": (
+        {"cluster": {"device": "cpu", "nnodes": 2}},
+        "cluster.rdzv_endpoint",
+    ),
+    "several nodes at a loopback endpoint": (
+        {"cluster": {"device": "cpu", "nnodes": 2, "rdzv_endpoint": "127.0.0.1:29500"}},
+        "cluster.rdzv_endpoint",
+    ),
     "split placement": (
         {
             "cluster": {
@@ -119,7 +130,7 @@ def test_the_planner_refuses_what_run_cannot_do(case, config_file, base_config):
 
 # Cases the executor's preflight asks again of the plan.lock it is handed.
 PREFLIGHT = [
-    "several nodes",
+    "several nodes on a SQLite store",
     "split placement",
     "staleness with colocated roles",
     "artifacts in one process's memory",
@@ -196,6 +207,8 @@ def test_a_lock_with_a_recomputed_hash_is_still_validated(
 ON_RUNS_PATH = [
     "rollout/executor/preflight.py",
     "rollout/executor/launch.py",
+    "rollout/executor/join.py",
+    "rollout/executor/rendezvous.py",
     "rollout/executor/ownership.py",
     "rollout/planner/lockfile.py",
     "rollout/storage/__init__.py",
@@ -211,6 +224,8 @@ REFUSALS = {
     "LockfileError(refusals": "plan: every check in rollout/planner/runnable.py (CASES above)",
     "already belongs to another plan": "run time: the store's state, not the config",
     "already_running(": "run time: another process owns the run at this moment",
+    "is not a node of this plan": "run time: --node-rank is a command-line argument, checked "
+    "against the plan's cluster.nnodes (test_multi_node_plan)",
     "is named postgres:env:NAME": "unreachable from a plan: the builder writes postgres: and "
     "storage.postgres_dsn, a reference the config validated",
     "needs psycopg 3, which is not installed": "plan: runnable refuses storage.backend "

@@ -18,7 +18,7 @@ def test_the_device_is_chosen_when_joining_and_forgotten_when_leaving(monkeypatc
     joined: list[str] = []
     monkeypatch.setattr(transport.dist, "is_initialized", lambda: bool(joined))
     monkeypatch.setattr(
-        transport.dist, "init_process_group", lambda backend: joined.append(backend)
+        transport.dist, "init_process_group", lambda backend, timeout: joined.append(backend)
     )
     monkeypatch.setattr(transport.dist, "destroy_process_group", joined.clear)
     transport.join_process_group(2, "nccl", local_rank=1)
@@ -51,3 +51,17 @@ def test_the_work_queue_runs_on_the_process_groups_store(tmp_path) -> None:
         assert queue.collect(timeout_s=5) == [f"id-{item}" for item in range(5)]
     finally:
         dist.destroy_process_group()
+
+
+def test_the_collective_timeout_reaches_the_process_group(monkeypatch) -> None:
+    from datetime import timedelta
+
+    seen: list[object] = []
+    monkeypatch.setattr(transport.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(
+        transport.dist, "init_process_group", lambda backend, timeout: seen.append(timeout)
+    )
+    transport.join_process_group(2, "gloo", timeout_s=7.5)
+    transport.join_process_group(2, "gloo")  # torch's own default
+    assert seen == [timedelta(seconds=7.5), None]
+    transport.leave_process_group()
