@@ -1,6 +1,6 @@
 """Everything that travels between ranks, and the process group it travels in.
 
-Every torch.distributed call of the runtime is here, named after what moves: gradients (averaged
+Every torch.distributed call of the runtime is here (but FSDP's, rollout.runtime.sharding), named after what moves: gradients (averaged
 before an optimizer step), metrics and token counts (summed or averaged over ranks), a batch's
 per-record values (gathered), and small state (data cursors, RNG states, shares of the reference
 log-probs). This is the seam along which actor and learner will be split into processes of their
@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 # --- the process group ---------------------------------------------------------------------------
 
@@ -69,12 +70,15 @@ def wait_for_every_rank() -> None:
 
 def average_gradients(params: Iterable[torch.Tensor]) -> None:
     """Replace each parameter's gradient by its mean over ranks (in place; every rank passes the
-    same parameters in the same order). Parameters without a gradient are left alone."""
+    same parameters in the same order). Parameters without a gradient, and sharded ones (already
+    averaged), are left alone."""
     if not several_ranks():
         return
     world = dist.get_world_size()
     for param in params:
-        if param.grad is not None:
+        # A sharded learner's gradients (DTensors) were averaged by FSDP's reduce-scatter in
+        # the backward; reducing them again would sum different ranks' shards.
+        if param.grad is not None and not isinstance(param.grad, DTensor):
             dist.all_reduce(param.grad)
             param.grad /= world
 
