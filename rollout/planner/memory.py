@@ -396,8 +396,11 @@ def _sharded(
     }
     mixed = config.cluster.fsdp_mixed_precision
     compute_width = BYTES_PER_PARAM[mixed.param_dtype] if mixed is not None else width
+    reduce_width = BYTES_PER_PARAM[mixed.reduce_dtype] if mixed is not None else width
     per_layer = model.num_parameters // max(1, model.num_layers)
     items["unsharded_layers"] = 2 * per_layer * compute_width
+    # A layer's whole gradient, in the reduction's dtype, goes into each reduce-scatter.
+    items["reduce_buffers"] = per_layer * reduce_width
     return items
 
 

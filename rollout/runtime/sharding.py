@@ -14,7 +14,8 @@ keeps its class, names and forward; its parameters become DTensors. What changes
 - a checkpoint gathers the full state on rank 0 (`gather_full_state`), which writes it in the
   layout of a replicated run, and a resumed run scatters it back from rank 0 (`ShardedLoader`).
 
-This module and rollout.runtime.transport hold the runtime's torch.distributed calls.
+The torch.distributed calls themselves (fully_shard, the full state dicts) are
+rollout.runtime.transport's.
 """
 
 from __future__ import annotations
@@ -23,31 +24,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from rollout.runtime import transport
 from rollout.runtime.checkpoint import FullState
 
 if TYPE_CHECKING:
-    from rollout.config.cluster import FsdpMixedPrecision
     from rollout.runtime.context import WorkerContext
-
-# Rank 0 gathers every tensor, to the CPU (a full copy on each GPU would defeat the sharding).
-_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
-# Rank 0's full state is sent to every rank, which keeps its own shard of it.
-_SCATTER = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
 def is_sharded(model: Any) -> bool:
     """Whether `model` was wrapped by `shard_learner`."""
-    return isinstance(model, FSDPModule)
+    return transport.is_sharded(model)
 
 
 def shard_learner(ctx: WorkerContext, model: torch.nn.Module) -> torch.nn.Module:
@@ -57,25 +44,17 @@ def shard_learner(ctx: WorkerContext, model: torch.nn.Module) -> torch.nn.Module
     cluster = ctx.plan.config.cluster
     if cluster.sharding != "fsdp":
         return model
-    # The ranks of the run's process group (gloo on the CPU, NCCL on GPUs), on this rank's
-    # device kind; the worker already made cuda:LOCAL_RANK the current device.
-    mesh = init_device_mesh(torch.device(ctx.device).type, (ctx.world_size,))
-    policy = mixed_precision_policy(cluster.fsdp_mixed_precision)
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    return model
-
-
-def mixed_precision_policy(mixed: FsdpMixedPrecision | None) -> MixedPrecisionPolicy:
-    """FSDP2's policy for cluster.fsdp_mixed_precision (None: compute and reduce in the weights'
-    own dtype)."""
-    if mixed is None:
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(
-        param_dtype=getattr(torch, mixed.param_dtype),
-        reduce_dtype=getattr(torch, mixed.reduce_dtype),
+    mixed = cluster.fsdp_mixed_precision
+    # The run's process group (gloo on the CPU, NCCL on GPUs), on this rank's device kind: the
+    # worker already made cuda:LOCAL_RANK the current device.
+    transport.shard_module(
+        model,
+        decoder_layers(model),
+        torch.device(ctx.device).type,
+        param_dtype=mixed.param_dtype if mixed is not None else None,
+        reduce_dtype=mixed.reduce_dtype if mixed is not None else None,
     )
+    return model
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -98,11 +77,11 @@ def gather_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
     """The whole model's weights and (when `optimizer` is given) the optimizer's state, on the CPU
     of rank 0 (empty on every other rank); collective. Tied weights appear once, under their first
     name; the optimizer state is keyed by parameter index, as Optimizer.state_dict() keys it."""
-    weights = get_model_state_dict(model, options=_GATHER)
+    weights = transport.gather_full_weights(model)
     names = _parameter_names(model)
     if optimizer is None:
         return FullState(weights=_first_names(model, weights), optimizer=None)
-    by_name = get_optimizer_state_dict(model, optimizer, options=_GATHER)
+    by_name = transport.gather_full_optimizer(model, optimizer)
     return FullState(
         weights=_first_names(model, weights),
         optimizer=_by_index(by_name, _names_in_order(optimizer, names)) if by_name else None,
@@ -120,13 +99,13 @@ class ShardedLoader:
     """Whether this rank reads the files (rank 0); the others are sent what it read."""
 
     def weights(self, saved: dict[str, torch.Tensor]) -> None:
-        set_model_state_dict(self.model, saved, options=_SCATTER)
+        transport.scatter_full_weights(self.model, saved)
 
     def optimizer_state(self, state_dict: dict[str, Any]) -> None:
         assert self.optimizer is not None
         names = _names_in_order(self.optimizer, _parameter_names(self.model))
         by_name = _by_name(state_dict, names) if self.reads else {}
-        set_optimizer_state_dict(self.model, self.optimizer, by_name, options=_SCATTER)
+        transport.scatter_full_optimizer(self.model, self.optimizer, by_name)
 
 
 def _parameter_names(model: torch.nn.Module) -> dict[int, str]:
