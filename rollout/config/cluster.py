@@ -62,8 +62,8 @@ class ClusterSection(ConfigModel):
         description="'none' (the default): every learner process holds the whole model and its "
         "optimizer state, and gradients are averaged over processes (data parallel). 'fsdp': "
         "torch FSDP2 shards weights, gradients and optimizer state over the processes (each "
-        "decoder layer, then the whole model), so each holds about 1/N of them; offline kinds "
-        "(dpo, ipo, kto, sft, rm) on 2 or more processes, without [model.lora].",
+        "decoder layer, then the whole model), so each holds about 1/N of them; dpo, ipo, kto "
+        "and sft on 2 or more processes, without [model.lora].",
     )
     fsdp_mixed_precision: FsdpMixedPrecision | None = Field(
         default=None,

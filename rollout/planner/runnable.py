@@ -164,7 +164,16 @@ def _sharding(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
             f"{config.algorithm.kind} generates with the learner's own model, and an FSDP-sharded "
             "model gathers each layer from every rank on each forward: every rank would have to "
             "take the same number of decode steps, which the generation engine does not arrange "
-            "yet. This version shards offline kinds (dpo, ipo, kto, sft, rm) only",
+            "yet. This version shards dpo, ipo, kto and sft learners only",
+            value="fsdp",
+            hint='set cluster.sharding = "none" (every rank holds the whole model)',
+        )
+    if config.algorithm.kind == "rm":
+        yield Issue(
+            "cluster.sharding",
+            "a reward model scores with its trunk and score head called one by one, outside the "
+            "model's own forward, where FSDP would hand them their shards, not whole weights. "
+            "This version shards dpo, ipo, kto and sft learners only",
             value="fsdp",
             hint='set cluster.sharding = "none" (every rank holds the whole model)',
         )

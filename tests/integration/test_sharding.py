@@ -46,8 +46,10 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def test_fsdp_trains_as_replicated_data_parallel(workdir):
-    replicated_dir, replicated = run(workdir, "sft-tiny.toml")
-    sharded_dir, sharded = run(workdir, "sft-tiny.toml", "cluster.sharding=fsdp")
+    # Two micro batches a step: FSDP accumulates reduced gradients over backward passes.
+    accumulate = "algorithm.micro_batch_size=2"
+    replicated_dir, replicated = run(workdir, "sft-tiny.toml", accumulate)
+    sharded_dir, sharded = run(workdir, "sft-tiny.toml", accumulate, "cluster.sharding=fsdp")
     assert sharded["train/loss"][-1] < sharded["train/loss"][0]  # it learns
     for name in ("train/loss", "train/grad_norm", "eval/loss"):
         assert sharded[name] == pytest.approx(replicated[name], rel=1e-4), name

@@ -60,8 +60,18 @@ def test_memory_estimate_divides_the_learner_state_over_the_shards(config_file, 
 def test_online_kinds_are_refused(config_file, base_config):
     base_config["cluster"] = {"nproc_per_node": 2, "sharding": "fsdp"}
     issue = issues_of(config_file, base_config)["cluster.sharding"]
-    assert "offline kinds" in issue.message and "decode steps" in issue.message
+    assert "dpo, ipo, kto and sft" in issue.message and "decode steps" in issue.message
     assert issue.hint and "none" in issue.hint
+
+
+def test_reward_models_are_refused(config_file, sft_config, tmp_path):
+    (tmp_path / "prefs.jsonl").write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n' * 8)
+    sft_config["algorithm"] = {"kind": "rm", "batch_size": 4, "epochs": 1, "max_length": 64}
+    fields = {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}
+    sft_config["data"] = {"train": {"path": "prefs.jsonl"}, "fields": fields}
+    found = issues_of(config_file, sft_config)
+    issue = found["cluster.sharding"]
+    assert "score head" in issue.message
 
 
 def test_lora_is_refused(config_file, sft_config):
