@@ -98,6 +98,19 @@ class ClusterSection(TypedDict):
     longest time one rank may work alone between collectives.
 
     Range: > 0, ≤ 86400. Default: 600.0."""
+    sharding: NotRequired[Literal["none", "fsdp"]]
+    """'none' (the default): every learner process holds the whole model and its optimizer state,
+    and gradients are averaged over processes (data parallel). 'fsdp': torch FSDP2 shards
+    weights, gradients and optimizer state over the processes (each decoder layer, then the
+    whole model), so each holds about 1/N of them; dpo, ipo, kto and sft on 2 or more
+    processes, without [model.lora].
+
+    Default: 'none'."""
+    fsdp_mixed_precision: NotRequired[FsdpMixedPrecision | None]
+    """With sharding = 'fsdp': compute and gradient-reduction dtypes (an empty table: bfloat16
+    compute, float32 reductions). None: everything in model.dtype.
+
+    Default: None."""
 
 class DataSection(TypedDict):
     train: DataSource
@@ -237,6 +250,20 @@ class FieldMap(TypedDict):
     """Field with a boolean: is this completion desirable (KTO).
 
     Default: None."""
+
+class FsdpMixedPrecision(TypedDict):
+    """[cluster.fsdp_mixed_precision]: the dtypes FSDP2 computes and reduces in (its
+    MixedPrecisionPolicy); the sharded weights and the optimizer stay in model.dtype."""
+    param_dtype: NotRequired[Literal["bfloat16", "float32"]]
+    """The dtype each layer's weights are gathered to for the forward and backward passes (a
+    bfloat16 copy of float32 sharded weights: bfloat16 compute, float32 updates).
+
+    Default: 'bfloat16'."""
+    reduce_dtype: NotRequired[Literal["float32", "bfloat16"]]
+    """The dtype gradients are reduce-scattered in across ranks (float32: no rounding when every
+    rank's gradients are summed).
+
+    Default: 'float32'."""
 
 class GenerationSection(TypedDict):
     engine: NotRequired[Literal["hf", "vllm"]]

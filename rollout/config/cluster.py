@@ -10,6 +10,10 @@ from pydantic import AfterValidator, Field
 
 from rollout.config.base import ConfigModel
 
+Sharding = Literal["none", "fsdp"]
+"""How the learner's weights, gradients and optimizer state sit on its ranks: "none" (every rank
+holds all of them; gradients are averaged) or "fsdp" (torch FSDP2: each rank holds a 1/N shard)."""
+
 Role = Literal["actor", "learner", "reference", "critic", "reward"]
 ROLES: tuple[Role, ...] = ("actor", "learner", "reference", "critic", "reward")
 
@@ -45,6 +49,22 @@ def is_loopback(host: str) -> bool:
 def _check_endpoint(endpoint: str) -> str:
     split_endpoint(endpoint)
     return endpoint
+
+
+class FsdpMixedPrecision(ConfigModel):
+    """[cluster.fsdp_mixed_precision]: the dtypes FSDP2 computes and reduces in (its
+    MixedPrecisionPolicy); the sharded weights and the optimizer stay in model.dtype."""
+
+    param_dtype: Literal["bfloat16", "float32"] = Field(
+        default="bfloat16",
+        description="The dtype each layer's weights are gathered to for the forward and backward "
+        "passes (a bfloat16 copy of float32 sharded weights: bfloat16 compute, float32 updates).",
+    )
+    reduce_dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32",
+        description="The dtype gradients are reduce-scattered in across ranks (float32: no "
+        "rounding when every rank's gradients are summed).",
+    )
 
 
 class ClusterSection(ConfigModel):
@@ -98,4 +118,17 @@ class ClusterSection(ConfigModel):
         description="How long a rank waits in one collective (gradient averaging, a barrier) for "
         "the other ranks before the run fails, naming the rank, its role and its step. Must "
         "exceed the longest time one rank may work alone between collectives.",
+    )
+    sharding: Sharding = Field(
+        default="none",
+        description="'none' (the default): every learner process holds the whole model and its "
+        "optimizer state, and gradients are averaged over processes (data parallel). 'fsdp': "
+        "torch FSDP2 shards weights, gradients and optimizer state over the processes (each "
+        "decoder layer, then the whole model), so each holds about 1/N of them; dpo, ipo, kto "
+        "and sft on 2 or more processes, without [model.lora].",
+    )
+    fsdp_mixed_precision: FsdpMixedPrecision | None = Field(
+        default=None,
+        description="With sharding = 'fsdp': compute and gradient-reduction dtypes (an empty "
+        "table: bfloat16 compute, float32 reductions). None: everything in model.dtype.",
     )

@@ -317,6 +317,38 @@ def precision_fits_dtype(config: RunConfig) -> Iterator[Issue]:
         )
 
 
+@rule("cluster", "model")
+def sharding_settings_fit(config: RunConfig) -> Iterator[Issue]:
+    cluster = config.cluster
+    if cluster.sharding != "fsdp":
+        if cluster.fsdp_mixed_precision is not None:
+            yield Issue(
+                "cluster.fsdp_mixed_precision",
+                "FSDP's mixed precision applies to sharded learners, but cluster.sharding is "
+                f"'{cluster.sharding}'",
+                hint='set cluster.sharding = "fsdp", or remove [cluster.fsdp_mixed_precision] '
+                '(model.precision = "autocast" computes in bfloat16 without sharding)',
+            )
+        return
+    if cluster.nnodes * cluster.nproc_per_node < 2:
+        yield Issue(
+            "cluster.sharding",
+            "FSDP shards the learner over several processes, and this run has one: there is "
+            "nothing to shard it over",
+            value="fsdp",
+            hint='set cluster.nproc_per_node = 2 or more, or cluster.sharding = "none"',
+        )
+    if config.model.precision == "master_weights":
+        yield Issue(
+            "model.precision",
+            "master_weights keeps float32 copies of bfloat16 weights beside them, which FSDP "
+            "does with its own mixed precision: float32 sharded weights, bfloat16 compute",
+            value="master_weights",
+            hint='use precision = "auto" with model.dtype = "float32" (or "auto") and an empty '
+            "[cluster.fsdp_mixed_precision] table",
+        )
+
+
 def kl_in_reward(config: RunConfig) -> bool:
     """Whether the KL to the reference goes into the token rewards (as the per-token log-ratio)
     rather than into the loss: REINFORCE++ always, PPO with kl_penalty = "reward"."""

@@ -609,6 +609,10 @@ def _dtype(config: RunConfig, device: str) -> Any:
         return "float32"
     if precision == "master_weights":
         return "bfloat16"
+    if config.cluster.sharding == "fsdp":
+        # The sharded weights are the float32 master copy; cluster.fsdp_mixed_precision sets
+        # the dtype layers compute in.
+        return "float32"
     return "float32" if device == "cpu" else "bfloat16"
 
 
@@ -619,6 +623,8 @@ def _precision(config: RunConfig, device: str) -> Any:
         return config.model.precision
     if config.model.lora is not None:
         return "none"  # only the adapters train, and peft keeps them in float32
+    if config.cluster.sharding == "fsdp":
+        return "none"  # FSDP's mixed precision keeps float32 weights and computes in bfloat16
     return "master_weights" if _dtype(config, device) == "bfloat16" else "none"
 
 

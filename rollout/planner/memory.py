@@ -218,7 +218,9 @@ def estimate_memory(
         device = "cpu" if graph.device == "cpu" else process.device
         items = per_device[device]
         items["runtime"] += RUNTIME_BYTES[graph.device]
-        for name, size in _process_items(config, model, derived, process.roles, shape).items():
+        shards = _fsdp_shards(config, graph)
+        items_here = _process_items(config, model, derived, process.roles, shape, shards)
+        for name, size in items_here.items():
             items[name] += size
         if "actor" in process.roles and config.generation.engine == "vllm":
             # vLLM takes a fixed share of the GPU for its weights and KV cache, whatever the batch.
@@ -310,6 +312,7 @@ def _process_items(
     derived: Derived,
     roles: list[str],
     shape: GenerationShape | None,
+    shards: int = 1,
 ) -> dict[str, int]:
     width = BYTES_PER_PARAM[derived.dtype]
     params = model.num_parameters
@@ -318,6 +321,8 @@ def _process_items(
     trains = "learner" in roles
     if trains:
         trained = _trained_model_bytes(params, width, derived.precision, lora_adapters)
+        if shards > 1:
+            trained = _sharded(trained, config, model, width, shards)
         for name, size in trained.items():
             items[name] += size
         items["activations"] += _activation_bytes(config, model, derived, width)
@@ -369,6 +374,36 @@ def _trained_model_bytes(
     return items
 
 
+def _fsdp_shards(config: RunConfig, graph: Graph) -> int:
+    """How many ranks the learner's state is sharded over (1: replicated)."""
+    if config.cluster.sharding != "fsdp":
+        return 1
+    return sum(1 for p in graph.processes if "learner" in p.roles)
+
+
+SHARDED_ITEMS = ("weights", "gradients", "optimizer", "master_weights")
+"""What FSDP splits over its ranks (rollout.runtime.sharding); activations are each rank's own."""
+
+
+def _sharded(
+    trained: dict[str, int], config: RunConfig, model: ModelFacts, width: int, shards: int
+) -> dict[str, int]:
+    """`trained` with its sharded items divided over `shards` ranks, and the layers FSDP gathers
+    whole while it computes: the one running and the one prefetched, in the compute dtype."""
+    items = {
+        name: math.ceil(size / shards) if name in SHARDED_ITEMS else size
+        for name, size in trained.items()
+    }
+    mixed = config.cluster.fsdp_mixed_precision
+    compute_width = BYTES_PER_PARAM[mixed.param_dtype] if mixed is not None else width
+    reduce_width = BYTES_PER_PARAM[mixed.reduce_dtype] if mixed is not None else width
+    per_layer = model.num_parameters // max(1, model.num_layers)
+    items["unsharded_layers"] = 2 * per_layer * compute_width
+    # A layer's whole gradient, in the reduction's dtype, goes into each reduce-scatter.
+    items["reduce_buffers"] = per_layer * reduce_width
+    return items
+
+
 def _activation_bytes(config: RunConfig, model: ModelFacts, derived: Derived, width: int) -> int:
     tokens = derived.micro_batch_size * derived.max_sequence_length
     if derived.precision == "autocast":
@@ -380,17 +415,18 @@ def _activation_bytes(config: RunConfig, model: ModelFacts, derived: Derived, wi
         * width
         * layers
     )
-    return blocks + attention + _logit_bytes(model, tokens)
+    sharded = config.cluster.sharding == "fsdp"
+    return blocks + attention + _logit_bytes(model, tokens, chunked=not sharded)
 
 
-def _logit_bytes(model: ModelFacts, tokens: int) -> int:
+def _logit_bytes(model: ModelFacts, tokens: int, *, chunked: bool = True) -> int:
     """The vocabulary logits of a training step. The chunked head (rollout.runtime.logprobs)
     holds two float32 chunks at a time (the logits and their probabilities in the forward, the
     logits and their gradient, made in place, in the backward) and a float32 gradient of the
     head's weight; the full-logits route keeps the float32 logits and the copy autograd saves
-    for the backward."""
+    for the backward. A sharded model (`chunked` False) takes the full-logits route."""
     full = tokens * model.vocab_size * 4
-    if model.model_type not in CHUNKED_HEAD_MODEL_TYPES:
+    if not chunked or model.model_type not in CHUNKED_HEAD_MODEL_TYPES:
         return full * 2
     return min(full, CHUNK_BYTES) * 2 + model.vocab_size * model.hidden_size * 4
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable, Iterator
 
-from rollout.config.algorithm import OnPolicyKnobs
+from rollout.config.algorithm import ONLINE_KINDS, OnPolicyKnobs
 from rollout.config.root import RunConfig
 from rollout.errors import Issue
 from rollout.files import is_url
@@ -201,4 +201,37 @@ def _mlflow_uri(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
             value=uri,
             hint="point it at a tracking server (http://host:5000, whose artifact store can be "
             "on s3 or gs) or a local directory",
+        )
+
+
+@check
+def _sharding(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
+    if config.cluster.sharding != "fsdp":
+        return
+    if config.algorithm.kind in ONLINE_KINDS:
+        yield Issue(
+            "cluster.sharding",
+            f"{config.algorithm.kind} generates with the learner's own model, and an FSDP-sharded "
+            "model gathers each layer from every rank on each forward: every rank would have to "
+            "take the same number of decode steps, which the generation engine does not arrange "
+            "yet. This version shards dpo, ipo, kto and sft learners only",
+            value="fsdp",
+            hint='set cluster.sharding = "none" (every rank holds the whole model)',
+        )
+    if config.algorithm.kind == "rm":
+        yield Issue(
+            "cluster.sharding",
+            "a reward model scores with its trunk and score head called one by one, outside the "
+            "model's own forward, where FSDP would hand them their shards, not whole weights. "
+            "This version shards dpo, ipo, kto and sft learners only",
+            value="fsdp",
+            hint='set cluster.sharding = "none" (every rank holds the whole model)',
+        )
+    if config.model.lora is not None:
+        yield Issue(
+            "cluster.sharding",
+            "sharding LoRA runs is not supported yet: the adapters are small, and the frozen base "
+            "model is what FSDP would shard, which this version does not do",
+            value="fsdp",
+            hint='set cluster.sharding = "none" with [model.lora], or remove [model.lora]',
         )

@@ -30,6 +30,11 @@ writes the manifest, renames it to `step-000010` and fsyncs `<root>`. A crash at
 either the finished checkpoint or a temp directory, which readers ignore and the next save
 deletes.
 
+A sharded learner (cluster.sharding = "fsdp", rollout.runtime.sharding) writes the same files:
+every rank helps gather the full weights and optimizer state to rank 0 (`FullState`), which
+writes them as a replicated run would; loading, rank 0 reads them and sends each rank its shard
+(rollout.runtime.sharding.ShardedLoader).
+
 Only tensors go to safetensors and everything else to JSON, so reading a checkpoint never unpickles
 anything. One process (rank 0) writes to a root at a time. The RNG states are that process's own.
 
@@ -59,7 +64,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -100,6 +105,28 @@ class Extra:
     module: torch.nn.Module
     optimizer: torch.optim.Optimizer | None = None
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+
+
+@dataclass(frozen=True)
+class FullState:
+    """A sharded model's state gathered whole for saving (rollout.runtime.sharding): its weights
+    by name (each tied tensor once), and its optimizer's state_dict keyed by parameter index, as
+    Optimizer.state_dict() has it (None: not saved)."""
+
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, Any] | None
+
+
+class FullStateLoader(Protocol):
+    """Restores a sharded model from full state that one rank reads (rollout.runtime.sharding);
+    every rank calls `weights` and, when the optimizer is restored, `optimizer_state`."""
+
+    reads: bool
+    """Whether this rank reads the files; the others pass empty state and are sent theirs."""
+
+    def weights(self, saved: dict[str, torch.Tensor]) -> None: ...
+
+    def optimizer_state(self, state_dict: dict[str, Any]) -> None: ...
 
 
 class CheckpointError(ValueError):
@@ -219,6 +246,7 @@ def stage_checkpoint(
     run_id: str = "",
     plan: str = "",
     buffers: CopyBuffers | None = None,
+    full_state: FullState | None = None,
 ) -> Staged:
     """Write a checkpoint of `step` into a local staging directory: everything the training
     state is read for, so the model may change as soon as this returns.
@@ -228,7 +256,9 @@ def stage_checkpoint(
     is saved instead of the model, and the merged model beside it where their export says so.
     Saving a step that already exists replaces it when committed. A failure (a full disk)
     removes what was staged and leaves every committed checkpoint as it was. Under an
-    object-store root the large tensors are copied into `buffers` (a fresh set when None).
+    object-store root the large tensors are copied into `buffers` (a fresh set when None). A
+    sharded model's weights and optimizer state come gathered in `full_state`
+    (rollout.runtime.sharding).
     """
     if step < 0:
         raise ValueError(f"need step >= 0, got step={step}")
@@ -244,7 +274,15 @@ def stage_checkpoint(
         deferred = _Deferred(staged.directory, buffers or CopyBuffers(), staged.deferred)
     try:
         _write_state(
-            staged.directory, model, tokenizer, optimizer, scheduler, extras, adapters, deferred
+            staged.directory,
+            model,
+            tokenizer,
+            optimizer,
+            scheduler,
+            extras,
+            adapters,
+            deferred,
+            full_state,
         )
         (staged.directory / "trainer.json").write_text(trainer_json, encoding="utf-8")
     except BaseException as error:
@@ -264,8 +302,12 @@ def _write_state(
     extras: Mapping[str, Extra] | None,
     adapters: Adapters | None,
     deferred: _Deferred | None,
+    full_state: FullState | None = None,
 ) -> None:
-    if adapters is None:
+    if full_state is not None:  # a sharded model: LoRA is refused with sharding
+        _save_model_files(staging / "model", model, full_state.weights, deferred)
+        tokenizer.save_pretrained(staging / "model")
+    elif adapters is None:
         # Not save_pretrained: transformers writes weights on global rank 0 only, and the first
         # learner of a disaggregated run is another rank.
         _save_model(staging / "model", model, deferred)
@@ -276,7 +318,9 @@ def _write_state(
     if adapters is not None and adapters.export_merged:
         adapters.save_merged(staging / "model")
         tokenizer.save_pretrained(staging / "model")
-    if optimizer is not None:
+    if full_state is not None and full_state.optimizer is not None:
+        _save_optimizer_state(staging, full_state.optimizer, deferred)
+    elif optimizer is not None:
         _save_optimizer(staging, optimizer, deferred)
     if scheduler is not None:
         _write_json(staging / "scheduler.json", scheduler.state_dict())
@@ -289,16 +333,24 @@ def _save_model(directory: Path, model: Any, deferred: _Deferred | None) -> None
     """What save_pretrained writes: config and generation config now, model.safetensors (each
     tied tensor once, under its first name) now, or with `deferred` as copies the commit
     writes."""
-    directory.mkdir(parents=True)
-    model.config.save_pretrained(directory)
-    if model.can_generate():  # as save_pretrained does
-        model.generation_config.save_pretrained(directory)
     seen: set[int] = set()
     weights = {}
     for name, tensor in model.state_dict().items():
         if tensor.data_ptr() not in seen:
             seen.add(tensor.data_ptr())
             weights[name] = tensor
+    _save_model_files(directory, model, weights, deferred)
+
+
+def _save_model_files(
+    directory: Path, model: Any, weights: dict[str, torch.Tensor], deferred: _Deferred | None
+) -> None:
+    """What save_pretrained writes, with `weights` as the model's: config, generation config
+    and model.safetensors (now, or by the commit with `deferred`)."""
+    directory.mkdir(parents=True)
+    model.config.save_pretrained(directory)
+    if model.can_generate():  # as save_pretrained does
+        model.generation_config.save_pretrained(directory)
     _save_tensors(directory / "model.safetensors", weights, deferred, {"format": "pt"})
 
 
@@ -374,10 +426,12 @@ def load_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     extras: Mapping[str, Extra] | None = None,
     adapters: Adapters | None = None,
+    full_state: FullStateLoader | None = None,
 ) -> dict[str, Any]:
     """Restore weights (in place, strictly; with LoRA `adapters`, the adapter's), optimizer,
     scheduler and RNG states from a checkpoint; return the trainer state it was saved with. Pass
-    None for an optimizer or scheduler that should keep its fresh state.
+    None for an optimizer or scheduler that should keep its fresh state. A sharded model's
+    weights and optimizer state go through `full_state` (collective: every rank calls this).
 
     Every file is checked against the manifest first: a checkpoint that was never committed or
     is damaged raises CheckpointError before anything is restored."""
@@ -389,6 +443,7 @@ def load_checkpoint(
             scheduler=scheduler,
             extras=extras,
             adapters=adapters,
+            full_state=full_state,
         )
 
 
@@ -439,6 +494,7 @@ def _load_verified(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     extras: Mapping[str, Extra] | None,
     adapters: Adapters | None,
+    full_state: FullStateLoader | None = None,
 ) -> dict[str, Any]:
     trainer = _read_json(path / "trainer.json")
     if trainer["format_version"] != FORMAT_VERSION:
@@ -446,7 +502,9 @@ def _load_verified(
             f"{path} has checkpoint format {trainer['format_version']}; this version of rollout "
             f"reads format {FORMAT_VERSION}"
         )
-    if adapters is None:
+    if full_state is not None:
+        full_state.weights(_read_weights(model, path / "model") if full_state.reads else {})
+    elif adapters is None:
         _load_weights(model, path / "model")
     elif not (path / ADAPTER_DIR).is_dir():
         raise ValueError(
@@ -455,7 +513,9 @@ def _load_verified(
         )
     else:
         adapters.load(path / ADAPTER_DIR)
-    if optimizer is not None:
+    if optimizer is not None and full_state is not None:
+        full_state.optimizer_state(_read_optimizer(path) if full_state.reads else {})
+    elif optimizer is not None:
         _load_optimizer(path, optimizer)
     if scheduler is not None:
         scheduler.load_state_dict(_read_json(_saved(path, "scheduler.json")))
@@ -485,6 +545,19 @@ def _load_weights(model: torch.nn.Module, model_dir: Path) -> None:
     missing when another key names the same tensor. Keys are compared as the model names them:
     architectures that transformers renames on save would be refused here, not loaded wrongly.
     """
+    saved = _checked_weights(model, model_dir)
+    model.load_state_dict(saved, strict=False)  # checked above, tied keys included
+
+
+def _read_weights(model: torch.nn.Module, model_dir: Path) -> dict[str, torch.Tensor]:
+    """The saved weights under every name `model` has for them (a tied tensor under each)."""
+    saved = _checked_weights(model, model_dir)
+    expected = model.state_dict(keep_vars=True)
+    first = {id(tensor): name for name, tensor in reversed(expected.items()) if name in saved}
+    return {name: saved[first[id(tensor)]] for name, tensor in expected.items()}
+
+
+def _checked_weights(model: torch.nn.Module, model_dir: Path) -> dict[str, torch.Tensor]:
     saved: dict[str, torch.Tensor] = {}
     for name in _weight_files(model_dir):
         saved.update(load_file(model_dir / name))
@@ -497,7 +570,7 @@ def _load_weights(model: torch.nn.Module, model_dir: Path) -> None:
             f"weights in {model_dir} do not match the model: missing {missing or 'none'}, "
             f"unexpected {unexpected or 'none'}"
         )
-    model.load_state_dict(saved, strict=False)  # checked above, tied keys included
+    return saved
 
 
 def _weight_files(model_dir: Path) -> list[str]:
@@ -536,7 +609,12 @@ def _load_extra(directory: Path, extra: Extra, *, with_optimizer: bool) -> None:
 def _save_optimizer(
     directory: Path, optimizer: torch.optim.Optimizer, deferred: _Deferred | None = None
 ) -> None:
-    state_dict = optimizer.state_dict()
+    _save_optimizer_state(directory, optimizer.state_dict(), deferred)
+
+
+def _save_optimizer_state(
+    directory: Path, state_dict: dict[str, Any], deferred: _Deferred | None = None
+) -> None:
     tensors: dict[str, torch.Tensor] = {}
     plain = {
         # JSON keys are strings; the parameter indices are turned back into ints on load.
@@ -551,14 +629,17 @@ def _save_optimizer(
 
 
 def _load_optimizer(directory: Path, optimizer: torch.optim.Optimizer) -> None:
+    optimizer.load_state_dict(_read_optimizer(directory))
+
+
+def _read_optimizer(directory: Path) -> dict[str, Any]:
+    """The saved optimizer state_dict, keyed by parameter index as Optimizer.state_dict() is."""
     plain = _read_json(_saved(directory, "optimizer.json"))
     tensors = load_file(directory / "optimizer.safetensors")
-    optimizer.load_state_dict(
-        {
-            "state": {int(index): _decode(s, tensors) for index, s in plain["state"].items()},
-            "param_groups": _decode(plain["param_groups"], tensors),
-        }
-    )
+    return {
+        "state": {int(index): _decode(s, tensors) for index, s in plain["state"].items()},
+        "param_groups": _decode(plain["param_groups"], tensors),
+    }
 
 
 def _encode(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:

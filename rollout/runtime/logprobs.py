@@ -23,6 +23,7 @@ import torch
 from rollout.algorithms.chunked_head import head_logprobs
 from rollout.algorithms.losses import entropy_from_logits, token_logprobs
 from rollout.engines.base import cache_keyword
+from rollout.runtime.sharding import is_sharded
 
 CHUNKED_HEAD_MODEL_TYPES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "phi3", "olmo", "olmo2", "smollm3", "gemma"}
@@ -38,6 +39,10 @@ one (to other than 1) takes the full-logits route."""
 def chunked_head(model: Any) -> torch.nn.Linear | None:
     """The vocabulary projection when the chunked head applies to `model`, else None."""
     inner = _unwrapped(model)
+    if is_sharded(inner):
+        # FSDP gathers a layer's weights only around its module's forward: the head's weight
+        # read as a tensor, or the trunk run without the root, would be a shard.
+        return None
     config = getattr(inner, "config", None)
     if getattr(config, "model_type", None) not in CHUNKED_HEAD_MODEL_TYPES:
         return None

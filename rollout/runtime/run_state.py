@@ -1,7 +1,8 @@
 """What both training loops checkpoint and resume, rank by rank.
 
 Rank 0 writes the checkpoint (rollout.runtime.checkpoint: weights, optimizer, scheduler and its
-own RNG states): ranks hold identical weights and optimizer state. What differs by rank travels
+own RNG states): ranks hold identical weights and optimizer state, or, with a sharded learner
+(rollout.runtime.sharding), every rank gathers its shards to rank 0 first. What differs by rank travels
 in the trainer state: every rank's data cursor, and the RNG states of every other rank. A resumed
 rank therefore takes the records and draws the numbers (dropout masks, sampling seeds, anything
 from torch's, numpy's or Python's global generators) it would have had the run never stopped.
@@ -25,6 +26,7 @@ from rollout.runtime.checkpoint import (
     CheckpointError,
     CopyBuffers,
     Extra,
+    FullState,
     Staged,
     commit_checkpoint,
     load_checkpoint,
@@ -35,6 +37,7 @@ from rollout.runtime.checkpoint import (
 )
 from rollout.runtime.data import PromptStream
 from rollout.runtime.manifest import Found, inventory, plan_fingerprint
+from rollout.runtime.sharding import ShardedLoader, gather_full_state, is_sharded
 
 if TYPE_CHECKING:
     from rollout.models.lora import Adapters
@@ -82,10 +85,14 @@ class RunState:
         writer.flush()
         cursors = gather_by_rank(ctx, None if self.stream is None else self.stream.state_dict())
         rng = gather_rng(ctx)
+        full = None
+        if is_sharded(self.model) and step > 0:  # every rank sends its shards to rank 0
+            with_optimizer = ctx.plan.config.checkpoint.save_optimizer
+            full = gather_full_state(self.model, self.optimizer if with_optimizer else None)
         if ctx.is_main and step > 0:
             started = time.perf_counter()
             ctx.uploads.wait()  # the previous upload is committed (or its failure raised) first
-            staged = self._stage(ctx, step, cursors, rng, trainer_state)
+            staged = self._stage(ctx, step, cursors, rng, trainer_state, full)
             commit = functools.partial(self._commit, ctx, writer, staged)
             if is_url(self.root):
                 ctx.uploads.start(f"upload of checkpoint step {step}", commit)
@@ -103,6 +110,7 @@ class RunState:
         cursors: dict[str, Any],
         rng: dict[str, Any],
         trainer_state: Mapping[str, Any] | None,
+        full: FullState | None,
     ) -> Staged:
         with_optimizer = ctx.plan.config.checkpoint.save_optimizer
         return stage_checkpoint(
@@ -118,6 +126,7 @@ class RunState:
             run_id=ctx.plan.run_id,
             plan=plan_fingerprint(ctx.plan),
             buffers=self.buffers,
+            full_state=full,
         )
 
     def _commit(self, ctx: WorkerContext, writer: BackgroundWriter, staged: Staged) -> None:
@@ -166,6 +175,7 @@ class RunState:
             scheduler=self.scheduler if with_optimizer else None,
             extras=self.extras,
             adapters=self.adapters,
+            full_state=self._sharded_loader(ctx, with_optimizer),
         )
         index = ctx.seed_index
         if self.stream is not None:
@@ -184,6 +194,11 @@ class RunState:
             else:
                 set_rng_state(rng[str(index)])
         return state
+
+    def _sharded_loader(self, ctx: WorkerContext, with_optimizer: bool) -> ShardedLoader | None:
+        if not is_sharded(self.model):
+            return None
+        return ShardedLoader(self.model, self.optimizer if with_optimizer else None, ctx.is_main)
 
 
 def _skip(location: str | Path, problems: list[str]) -> None:

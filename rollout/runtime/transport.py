@@ -29,6 +29,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 # --- the process group ---------------------------------------------------------------------------
 
@@ -96,12 +106,15 @@ def wait_for_every_rank() -> None:
 
 def average_gradients(params: Iterable[torch.Tensor]) -> None:
     """Replace each parameter's gradient by its mean over ranks (in place; every rank passes the
-    same parameters in the same order). Parameters without a gradient are left alone."""
+    same parameters in the same order). Parameters without a gradient, and sharded ones (already
+    averaged), are left alone."""
     if not several_ranks():
         return
     world = dist.get_world_size(_learners)
     for param in params:
-        if param.grad is not None:
+        # A sharded learner's gradients (DTensors) were averaged by FSDP's reduce-scatter in
+        # the backward; reducing them again would sum different ranks' shards.
+        if param.grad is not None and not isinstance(param.grad, DTensor):
             dist.all_reduce(param.grad, group=_learners)
             param.grad /= world
 
@@ -160,3 +173,62 @@ def gather_state(value: Any) -> list[Any]:
         json.loads(bytes(buffer[: int(size.item())].cpu().tolist()).decode())
         for buffer, size in zip(buffers, sizes, strict=True)
     ]
+
+
+# --- sharded learners (FSDP2; the policy is rollout.runtime.sharding's) ---------------------------
+
+# Rank 0 gathers every tensor, to the CPU (a full copy on each GPU would defeat the sharding).
+_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# Rank 0's full state is sent to every rank, which keeps its own shard of it.
+_SCATTER = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+
+def shard_module(
+    model: torch.nn.Module,
+    units: list[torch.nn.Module],
+    device_type: str,
+    *,
+    param_dtype: str | None,
+    reduce_dtype: str | None,
+) -> None:
+    """Shard `model` over every rank of the process group with FSDP2 (in place): each of
+    `units` is gathered whole around its own forward, the rest of `model` around the root's.
+    The dtypes ("bfloat16", "float32") are what layers compute and gradients reduce in; None:
+    the weights' own."""
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(
+        param_dtype=getattr(torch, param_dtype) if param_dtype else None,
+        reduce_dtype=getattr(torch, reduce_dtype) if reduce_dtype else None,
+    )
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def is_sharded(model: Any) -> bool:
+    """Whether `model` was sharded by `shard_module`."""
+    return isinstance(model, FSDPModule)
+
+
+def gather_full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A sharded model's whole state_dict on rank 0's CPU ({} elsewhere); collective."""
+    return get_model_state_dict(model, options=_GATHER)
+
+
+def gather_full_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's whole state_dict, keyed by parameter name, on rank 0's CPU ({}
+    elsewhere); collective."""
+    return get_optimizer_state_dict(model, optimizer, options=_GATHER)
+
+
+def scatter_full_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Load rank 0's whole `weights` (every other rank passes {}) into each rank's shards."""
+    set_model_state_dict(model, weights, options=_SCATTER)
+
+
+def scatter_full_optimizer(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict
+) -> None:
+    """Load rank 0's whole optimizer `state`, keyed by parameter name (every other rank passes
+    {}), into each rank's shards of it."""
+    set_optimizer_state_dict(model, optimizer, state, options=_SCATTER)

@@ -526,6 +526,11 @@ def _reward_model_run(audit: Audit) -> str:
 
 
 REWARD_MODEL = {"rewards": [{"model": _reward_model_run}]}
+FSDP_MIXED = {
+    "cluster.nproc_per_node": 2,
+    "cluster.sharding": "fsdp",
+    "cluster.fsdp_mixed_precision": {},
+}
 STOPS = {"generation.stop": ["e"]}
 """Completions of different lengths, for the loss aggregations to tell apart."""
 SLOW_REWARD = {
@@ -926,6 +931,20 @@ SECTION_CASES: dict[str, list[Case]] = {
             },
             lambda plan: [process.roles for process in plan.graph.processes],
         ),
+    ],
+    "cluster.sharding": [
+        refused("grpo", {"cluster.sharding": "fsdp"}, base={"cluster.nproc_per_node": 2}),
+        plan_shows("sft", {"cluster.sharding": "fsdp"}, memory, base={"cluster.nproc_per_node": 2}),
+    ],
+    "cluster.fsdp_mixed_precision.param_dtype": [
+        plan_shows(
+            "sft", {"cluster.fsdp_mixed_precision.param_dtype": "float32"}, memory, FSDP_MIXED
+        )
+    ],
+    "cluster.fsdp_mixed_precision.reduce_dtype": [
+        plan_shows(
+            "sft", {"cluster.fsdp_mixed_precision.reduce_dtype": "bfloat16"}, memory, FSDP_MIXED
+        )
     ],
     "cluster.threads_per_process": [
         plan_shows("grpo", {"cluster.threads_per_process": 2}, derived("threads_per_process"))

@@ -32,6 +32,7 @@ from rollout.runtime.offline.reference import build_reference
 from rollout.runtime.precision import autocast, autocast_dtype
 from rollout.runtime.recording import record_metrics
 from rollout.runtime.run_state import RunState
+from rollout.runtime.sharding import shard_learner
 from rollout.seeds import derive_seed
 from rollout.storage.writer import BackgroundWriter
 
@@ -188,6 +189,8 @@ def _build(ctx: WorkerContext) -> Run:
         context.reference = build_reference(
             ctx, model, objective, train_split, eval_split, adapters
         )
+    # Sharded after the reference copied the model, before the optimizer takes its parameters.
+    model = shard_learner(ctx, model)
     optimizer = build_optimizer(model, algo, precision=plan.derived.precision)
     return Run(
         model=model,
