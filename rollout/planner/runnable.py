@@ -209,21 +209,14 @@ def _sharding(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
     if config.cluster.sharding != "fsdp":
         return
     if config.algorithm.kind in ONLINE_KINDS:
-        yield Issue(
-            "cluster.sharding",
-            f"{config.algorithm.kind} generates with the learner's own model, and an FSDP-sharded "
-            "model gathers each layer from every rank on each forward: every rank would have to "
-            "take the same number of decode steps, which the generation engine does not arrange "
-            "yet. This version shards dpo, ipo, kto and sft learners only",
-            value="fsdp",
-            hint='set cluster.sharding = "none" (every rank holds the whole model)',
-        )
+        yield from _sharded_online(config, graph)
     if config.algorithm.kind == "rm":
         yield Issue(
             "cluster.sharding",
             "a reward model scores with its trunk and score head called one by one, outside the "
             "model's own forward, where FSDP would hand them their shards, not whole weights. "
-            "This version shards dpo, ipo, kto and sft learners only",
+            "This version shards dpo, ipo, kto and sft learners, and grpo, rloo and reinforce_pp "
+            "learners on ranks of their own",
             value="fsdp",
             hint='set cluster.sharding = "none" (every rank holds the whole model)',
         )
@@ -234,4 +227,41 @@ def _sharding(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
             "model is what FSDP would shard, which this version does not do",
             value="fsdp",
             hint='set cluster.sharding = "none" with [model.lora], or remove [model.lora]',
+        )
+
+
+def _sharded_online(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
+    """An online kind shards learners that never generate: actors on ranks of their own, and at
+    least two learners to shard over. PPO's critic is not sharded in this version."""
+    kind = config.algorithm.kind
+    colocated = not is_disaggregated(graph) if graph is not None else not config.cluster.placement
+    if colocated:
+        yield Issue(
+            "cluster.sharding",
+            f"{kind} colocated generates with the learner's own model, and an FSDP-sharded "
+            "model gathers each layer from every rank on each forward: every rank would have to "
+            "take the same number of decode steps, which the generation engine does not arrange",
+            value="fsdp",
+            hint="put the actors on ranks of their own, e.g. [cluster] nproc_per_node = 3, "
+            'placement = { actor = [0], learner = [1, 2] }, or set cluster.sharding = "none"',
+        )
+        return
+    learners = next((r.ranks for r in graph.roles if r.role == "learner"), []) if graph else []
+    if graph is not None and len(learners) < 2:
+        yield Issue(
+            "cluster.sharding",
+            f"FSDP shards the learner over the learner ranks, and this placement has "
+            f"{len(learners)} ({learners}): there is nothing to shard it over",
+            value="fsdp",
+            hint="give the learners 2 or more ranks, e.g. placement = { actor = [0], "
+            'learner = [1, 2] } with nproc_per_node = 3, or set cluster.sharding = "none"',
+        )
+    if kind == "ppo":
+        yield Issue(
+            "cluster.sharding",
+            "PPO's critic (a value head on the policy's trunk, or a separate value model) is "
+            "called outside the policy's own forward, where FSDP would hand it shards, not "
+            "whole weights; this version shards grpo, rloo and reinforce_pp learners only",
+            value="fsdp",
+            hint='set cluster.sharding = "none" for PPO',
         )

@@ -37,7 +37,12 @@ from rollout.runtime.checkpoint import (
 )
 from rollout.runtime.data import PromptStream
 from rollout.runtime.manifest import Found, inventory, plan_fingerprint
-from rollout.runtime.sharding import ShardedLoader, gather_full_state, is_sharded
+from rollout.runtime.sharding import (
+    ShardedLoader,
+    first_learner_reads_alone,
+    gather_full_state,
+    is_sharded,
+)
 
 if TYPE_CHECKING:
     from rollout.models.lora import Adapters
@@ -198,7 +203,8 @@ class RunState:
     def _sharded_loader(self, ctx: WorkerContext, with_optimizer: bool) -> ShardedLoader | None:
         if not is_sharded(self.model):
             return None
-        return ShardedLoader(self.model, self.optimizer if with_optimizer else None, ctx.is_main)
+        reads = ctx.is_main or not first_learner_reads_alone()
+        return ShardedLoader(self.model, self.optimizer if with_optimizer else None, reads)
 
 
 def _skip(location: str | Path, problems: list[str]) -> None:

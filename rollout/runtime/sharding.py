@@ -11,8 +11,12 @@ keeps its class, names and forward; its parameters become DTensors. What changes
   (every rank's shard), a replicated DTensor;
 - a model's weights must be read through its forward (which gathers them), never as tensors:
   rollout.runtime.logprobs takes the model's own forward for a sharded model;
-- a checkpoint gathers the full state on rank 0 (`gather_full_state`), which writes it in the
-  layout of a replicated run, and a resumed run scatters it back from rank 0 (`ShardedLoader`).
+- a checkpoint gathers the full state on the first learner (`gather_full_state`), which writes
+  it in the layout of a replicated run, and a resumed run scatters it back from there
+  (`ShardedLoader`; disaggregated, every learner reads the files and keeps its shard);
+- with actors on processes of their own, the learners shard over their own group (a 1-D mesh
+  of the learner ranks), and each weight sync gathers the whole policy on the first learner
+  (`whole_weights`) before it is broadcast to the actors.
 
 The torch.distributed calls themselves (fully_shard, the full state dicts) are
 rollout.runtime.transport's.
@@ -38,7 +42,7 @@ def is_sharded(model: Any) -> bool:
 
 
 def shard_learner(ctx: WorkerContext, model: torch.nn.Module) -> torch.nn.Module:
-    """`model` sharded over the run's ranks when cluster.sharding is "fsdp" (in place; the same
+    """`model` sharded over the run's learner ranks (every rank, colocated) when cluster.sharding is "fsdp" (in place; the same
     object is returned), else `model` as it is. Call it before the optimizer is built: the
     optimizer must hold the sharded parameters. Every rank must pass the same weights."""
     cluster = ctx.plan.config.cluster
@@ -68,6 +72,22 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
             "cluster.sharding = 'fsdp' cannot find the blocks to shard"
         )
     return layers
+
+
+def whole_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The policy's weights as actors take them (rollout.runtime.weight_sync.send_weights):
+    `model.state_dict()`, or a sharded model's gathered whole on the first learner's CPU, under
+    every name a tied tensor has ({} on the other learners; collective: every learner calls
+    it)."""
+    if not is_sharded(model):
+        return model.state_dict()
+    return transport.gather_full_weights(model)
+
+
+def first_learner_reads_alone() -> bool:
+    """Whether a resumed sharded run reads its checkpoint on the first learner alone (colocated)
+    or on every learner (disaggregated); rollout.runtime.transport says why."""
+    return transport.first_learner_reads_alone()
 
 
 # --- checkpoints ---------------------------------------------------------------------------------

@@ -31,12 +31,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -177,10 +176,15 @@ def gather_state(value: Any) -> list[Any]:
 
 # --- sharded learners (FSDP2; the policy is rollout.runtime.sharding's) ---------------------------
 
-# Rank 0 gathers every tensor, to the CPU (a full copy on each GPU would defeat the sharding).
-_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
-# Rank 0's full state is sent to every rank, which keeps its own shard of it.
+# The first learner gathers every tensor, to its CPU (a full copy on each GPU would defeat the
+# sharding). Not torch.distributed.checkpoint's full state dicts for that: they keep the gathered
+# state on global rank 0 and broadcast from it in the default group, and in a disaggregated world
+# global rank 0 is an actor, which takes no part in the learners' collectives.
+_FULL = StateDictOptions(full_state_dict=False)
+# Colocated, rank 0's full state is sent to every rank, which keeps its own shard of it.
 _SCATTER = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+# Disaggregated, every learner read the full state itself and keeps its own shard of it.
+_DISTRIBUTE = StateDictOptions(full_state_dict=True)
 
 
 def shard_module(
@@ -191,11 +195,14 @@ def shard_module(
     param_dtype: str | None,
     reduce_dtype: str | None,
 ) -> None:
-    """Shard `model` over every rank of the process group with FSDP2 (in place): each of
-    `units` is gathered whole around its own forward, the rest of `model` around the root's.
-    The dtypes ("bfloat16", "float32") are what layers compute and gradients reduce in; None:
-    the weights' own."""
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    """Shard `model` over every learner rank with FSDP2 (in place): each of `units` is gathered
+    whole around its own forward, the rest of `model` around the root's. The dtypes
+    ("bfloat16", "float32") are what layers compute and gradients reduce in; None: the
+    weights' own."""
+    if _learners is None:  # colocated: every rank is a learner
+        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    else:  # the learners' ranks only: the world holds actors too
+        mesh = DeviceMesh.from_group(_learners, device_type)
     policy = MixedPrecisionPolicy(
         param_dtype=getattr(torch, param_dtype) if param_dtype else None,
         reduce_dtype=getattr(torch, reduce_dtype) if reduce_dtype else None,
@@ -210,25 +217,60 @@ def is_sharded(model: Any) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def first_learner_reads_alone() -> bool:
+    """Whether a resumed sharded learner reads its checkpoint on the first learner alone, which
+    sends every other learner its shards (colocated), or on every learner (disaggregated: the
+    learners' group is not the default group that torch's broadcast from rank 0 runs in)."""
+    return _learners is None
+
+
 def gather_full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A sharded model's whole state_dict on rank 0's CPU ({} elsewhere); collective."""
-    return get_model_state_dict(model, options=_GATHER)
+    """A sharded model's whole state_dict (every name, a tied tensor under each) on the first
+    learner's CPU ({} on the others); collective over the learners."""
+    return _gather_full(model.state_dict())
 
 
 def gather_full_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """The optimizer's whole state_dict, keyed by parameter name, on rank 0's CPU ({}
-    elsewhere); collective."""
-    return get_optimizer_state_dict(model, optimizer, options=_GATHER)
+    """The optimizer's whole state_dict, keyed by parameter name, on the first learner's CPU
+    ({} on the others); collective over the learners."""
+    return _gather_full(get_optimizer_state_dict(model, optimizer, options=_FULL))
+
+
+def _gather_full(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` with each DTensor made whole (a collective over its mesh, in the order every
+    learner walks the same state), on the first learner's CPU; {} on the other learners."""
+    keeps = dist.get_rank(_learners) == 0
+    gathered: dict[int, torch.Tensor] = {}  # a tied tensor is gathered once
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            if id(value) not in gathered:
+                whole = value.full_tensor()  # every learner takes part; one keeps it
+                gathered[id(value)] = whole.detach().cpu() if keeps else whole[:0]
+            return gathered[id(value)]
+        if isinstance(value, torch.Tensor):
+            return value.detach().cpu() if keeps else value
+        if isinstance(value, dict):
+            return {key: walk(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [walk(item) for item in value]
+        return value
+
+    full = walk(state)
+    return full if keeps else {}
 
 
 def scatter_full_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    """Load rank 0's whole `weights` (every other rank passes {}) into each rank's shards."""
-    set_model_state_dict(model, weights, options=_SCATTER)
+    """Load the whole `weights` into each learner's shards: from the first learner (every other
+    passes {}) when `first_learner_reads_alone`, else from each learner's own full copy."""
+    options = _SCATTER if first_learner_reads_alone() else _DISTRIBUTE
+    set_model_state_dict(model, weights, options=options)
 
 
 def scatter_full_optimizer(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict
 ) -> None:
-    """Load rank 0's whole optimizer `state`, keyed by parameter name (every other rank passes
-    {}), into each rank's shards of it."""
-    set_optimizer_state_dict(model, optimizer, state, options=_SCATTER)
+    """Load the whole optimizer `state`, keyed by parameter name, into each learner's shards of
+    it: as `scatter_full_weights` takes the weights."""
+    options = _SCATTER if first_learner_reads_alone() else _DISTRIBUTE
+    set_optimizer_state_dict(model, optimizer, state, options=options)

@@ -4,7 +4,9 @@
 Actor ranks hold the engine and the rewards: they generate and score a batch per step and send
 each learner its share of it. Learner ranks hold the policy, its optimizer (and reference,
 critic): they train on the step's batch as colocated ranks do, and after each step the first
-learner broadcasts the policy to every actor (perf/weight_sync_s).
+learner broadcasts the policy to every actor (perf/weight_sync_s). With cluster.sharding = "fsdp"
+the learners shard the policy over their own ranks, and gather it whole on the first learner for
+each broadcast (the gather counts in perf/weight_sync_s).
 
 With algorithm.max_staleness = k the actors run ahead: batch s is sampled with the weights of
 version max(0, s - 1 - k), exactly (an actor waits for that version, and takes no newer one), so
@@ -34,6 +36,7 @@ from rollout.runtime.online.staleness import correct_stale, current_logprobs
 from rollout.runtime.phases import PhaseClock
 from rollout.runtime.recording import record_metrics
 from rollout.runtime.run_state import RunState
+from rollout.runtime.sharding import shard_learner, whole_weights
 from rollout.seeds import derive_seed
 from rollout.storage.writer import BackgroundWriter
 
@@ -153,6 +156,9 @@ def _learn(ctx: WorkerContext, writer: BackgroundWriter, groups: weight_sync.Gro
     elif plan.derived.reference_adapters_off:
         assert adapters is not None
         reference = adapters.without_adapters()
+    # Sharded (cluster.sharding = "fsdp") over the learners after the reference copied the
+    # whole model (each learner keeps a whole frozen copy), before the optimizer takes it.
+    model = shard_learner(ctx, model)
     critic = colocated._build_critic(model, algo, plan.derived) if kind.critic else None
     learner = colocated._build_learner(ctx, model, loaded.pad_token_id, reference, critic)
     token_advantages = colocated._token_advantages(plan, kind, learner, reference)
@@ -171,8 +177,9 @@ def _learn(ctx: WorkerContext, writer: BackgroundWriter, groups: weight_sync.Gro
     resumed = checkpoints.resume(ctx)
     if resumed is not None:
         start = resumed["step"]
+    weights = whole_weights(model)  # every learner takes part when the model is sharded
     if main:
-        weight_sync.send_weights(groups, model.state_dict(), {"version": start, "step": start})
+        weight_sync.send_weights(groups, weights, {"version": start, "step": start})
     total = plan.derived.total_steps
     log.info("training %s for steps %d..%d", algo.kind, start + 1, total)
     for step in range(start + 1, total + 1):
@@ -202,11 +209,10 @@ def _learn(ctx: WorkerContext, writer: BackgroundWriter, groups: weight_sync.Gro
             metrics.update(stale_metrics)
         with clock.phase("learn"):
             metrics.update({f"train/{k}": v for k, v in learner.update(batch).items()})
-        with clock.phase("sync"):
+        with clock.phase("sync"):  # a sharded policy's gather is part of the sync
+            weights = whole_weights(model)
             if main:
-                weight_sync.send_weights(
-                    groups, model.state_dict(), {"version": step, "step": step}
-                )
+                weight_sync.send_weights(groups, weights, {"version": step, "step": step})
         elapsed = time.perf_counter() - started
         metrics.update(clock.metrics())
         metrics["perf/weight_sync_s"] = clock.seconds.get("sync", 0.0)

@@ -11,6 +11,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from rollout.algorithms.losses import grpo_loss, read_metrics
 from rollout.runtime import transport
@@ -23,6 +24,7 @@ from rollout.runtime.online.shared_prefix import (
     supports_shared_prefix,
 )
 from rollout.runtime.precision import autocast
+from rollout.runtime.sharding import is_sharded
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,10 @@ class Learner:
         everything = list(range(len(micro)))
         if self.critic is not None or (self.reference is not None and self.knobs.kl_coef > 0):
             return everything
+        if is_sharded(self.model):
+            # Each forward and backward of a sharded model is a collective over the learners:
+            # every learner must run the same micro batches, whatever its advantages.
+            return everything
         if micro.token_advantages is not None:
             return [i for i in everything if any(a != 0 for a in micro.token_advantages[i])]
         return [i for i in everything if advantages[i] != 0]
@@ -250,7 +256,9 @@ class Learner:
         """Clip the gradients; their norm before clipping, left on the device."""
         params = [p for p in self._trained_parameters() if p.grad is not None]
         limit = self.knobs.max_grad_norm
-        return torch.nn.utils.clip_grad_norm_(params, limit if limit is not None else float("inf"))
+        norm = torch.nn.utils.clip_grad_norm_(params, limit if limit is not None else float("inf"))
+        # A sharded model's norm is a replicated DTensor (the whole gradient's): its local value.
+        return norm.to_local() if isinstance(norm, DTensor) else norm
 
 
 def _host_values(values: torch.Tensor) -> list[float]:

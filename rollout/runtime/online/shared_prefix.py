@@ -20,6 +20,7 @@ from transformers import DynamicCache
 
 from rollout.runtime.logprobs import final_states, token_scores
 from rollout.runtime.online.batches import RolloutBatch
+from rollout.runtime.sharding import is_sharded
 
 
 def shares_prompts(batch: RolloutBatch) -> bool:
@@ -29,7 +30,11 @@ def shares_prompts(batch: RolloutBatch) -> bool:
 
 def supports_shared_prefix(model: torch.nn.Module) -> bool:
     """A transformers causal LM that can take a key/value cache in a training forward:
-    gradient checkpointing turns the cache off, so such a model takes the plain forward."""
+    gradient checkpointing turns the cache off, so such a model takes the plain forward. So does
+    a sharded one: whether a micro batch shares its prompts differs between learners, and each
+    learner must run the same forwards (each gathers the layers from every learner)."""
+    if is_sharded(model):
+        return False
     for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # new name first
         if hasattr(type(model), name):
             return not getattr(model, name)
