@@ -57,11 +57,39 @@ def test_memory_estimate_divides_the_learner_state_over_the_shards(config_file, 
         assert "unsharded_layers" in ours.items and "unsharded_layers" not in theirs.items
 
 
-def test_online_kinds_are_refused(config_file, base_config):
+def test_online_kinds_are_refused_colocated(config_file, base_config):
     base_config["cluster"] = {"nproc_per_node": 2, "sharding": "fsdp"}
     issue = issues_of(config_file, base_config)["cluster.sharding"]
-    assert "dpo, ipo, kto and sft" in issue.message and "decode steps" in issue.message
-    assert issue.hint and "none" in issue.hint
+    assert "colocated" in issue.message and "decode steps" in issue.message
+    assert issue.hint and "ranks of their own" in issue.hint and "learner = [1, 2]" in issue.hint
+
+
+def _split(base_config, learners: list[int]) -> None:
+    base_config["cluster"] = {
+        "nproc_per_node": 1 + len(learners),
+        "sharding": "fsdp",
+        "placement": {"actor": [0], "learner": learners},
+    }
+
+
+def test_online_kinds_shard_learners_on_ranks_of_their_own(config_file, base_config):
+    _split(base_config, [1, 2])
+    plan = build_plan(config_file(base_config), hardware=LAPTOP)
+    learners = [m for m in plan.memory if m.device == "cpu" and "unsharded_layers" in m.items]
+    assert plan.config.cluster.sharding == "fsdp" and learners
+
+
+def test_online_kinds_with_one_learner_are_refused(config_file, base_config):
+    _split(base_config, [1])
+    issue = issues_of(config_file, base_config)["cluster.sharding"]
+    assert "nothing to shard" in issue.message and "learner = [1, 2]" in issue.hint
+
+
+def test_ppo_is_refused(config_file, base_config):
+    _split(base_config, [1, 2])
+    base_config["algorithm"]["kind"] = "ppo"
+    issue = issues_of(config_file, base_config)["cluster.sharding"]
+    assert "critic" in issue.message
 
 
 def test_reward_models_are_refused(config_file, sft_config, tmp_path):
