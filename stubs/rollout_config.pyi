@@ -103,7 +103,8 @@ class ClusterSection(TypedDict):
     and gradients are averaged over processes (data parallel). 'fsdp': torch FSDP2 shards
     weights, gradients and optimizer state over the processes (each decoder layer, then the
     whole model), so each holds about 1/N of them; dpo, ipo, kto and sft on 2 or more
-    processes, without [model.lora].
+    processes, and grpo, rloo and reinforce_pp with actors on ranks of their own and 2 or more
+    learners ([cluster.placement]); without [model.lora].
 
     Default: 'none'."""
     fsdp_mixed_precision: NotRequired[FsdpMixedPrecision | None]

@@ -94,9 +94,9 @@ def first_learner_reads_alone() -> bool:
 
 
 def gather_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> FullState:
-    """The whole model's weights and (when `optimizer` is given) the optimizer's state, on the CPU
-    of rank 0 (empty on every other rank); collective. Tied weights appear once, under their first
-    name; the optimizer state is keyed by parameter index, as Optimizer.state_dict() keys it."""
+    """The whole model's weights and (when `optimizer` is given) the optimizer's state, on the
+    first learner's CPU (empty on every other); collective. Tied weights appear once, under their
+    first name; the optimizer state is keyed by parameter index, as Optimizer.state_dict() keys it."""
     weights = transport.gather_full_weights(model)
     names = _parameter_names(model)
     if optimizer is None:
