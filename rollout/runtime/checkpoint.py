@@ -348,10 +348,21 @@ def _save_model_files(
     """What save_pretrained writes, with `weights` as the model's: config, generation config
     and model.safetensors (now, or by the commit with `deferred`)."""
     directory.mkdir(parents=True)
+    # As save_pretrained does: config.json names the class, which loaders (a reward model's
+    # check, AutoModel) read; FSDP2's wrapper class is not the model's.
+    model.config.architectures = [_architecture(model)]
     model.config.save_pretrained(directory)
     if model.can_generate():  # as save_pretrained does
         model.generation_config.save_pretrained(directory)
     _save_tensors(directory / "model.safetensors", weights, deferred, {"format": "pt"})
+
+
+def _architecture(model: Any) -> str:
+    """The model's own class name: FSDP2 swaps a sharded module's class for a subclass of it."""
+    for cls in type(model).__mro__:
+        if not cls.__module__.startswith("torch.distributed"):
+            return cls.__name__
+    return type(model).__name__
 
 
 def _save_tensors(

@@ -3,6 +3,7 @@ loadable by transformers, and free of pickle."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
@@ -182,6 +183,17 @@ def test_saved_model_loads_with_from_pretrained(tmp_path: Path, tokenizer):
     loaded = LlamaForCausalLM.from_pretrained(path / "model")
     assert_same_weights(training.model, loaded)
     assert PreTrainedTokenizerFast.from_pretrained(path / "model")("w3 w4").input_ids == [3, 4]
+
+
+def test_the_saved_config_names_the_models_class(artifact_root, tokenizer, as_root):
+    """Loaders read config.json's architectures (a reward model's check does): the checkpoint's
+    model/ says LlamaForCausalLM, wherever it is saved."""
+    import fsspec
+
+    root = as_root(artifact_root)
+    path = Training(seed=0).save(root, 1, tokenizer)
+    with fsspec.open(f"{path}/model/config.json", "r") as handle:
+        assert json.load(handle)["architectures"] == ["LlamaForCausalLM"]
 
 
 def test_no_file_in_a_checkpoint_is_a_pickle(tmp_path: Path, tokenizer):
