@@ -85,24 +85,29 @@ class Restarts:
         return line
 
     def failure(self, death: Death | None, cause: str, plan_arg: str, store: RunStore) -> str:
-        """The run's error once it is not restarted: the cause, led by why not and how to go
-        on."""
-        resume = f"`rollout run --plan {plan_arg}` again resumes it from {_newest(store, self)}"
+        """The run's error once it is not restarted: the cause, with why it was not restarted
+        and how to go on."""
         if death is None:
             return cause
-        who = f"{rank_name(death.rank, self.roles)} died {death.how()}{death.where()}"
+        resume = f"`rollout run --plan {plan_arg}` again resumes it from {_newest(store, self)}"
         if death.rank not in self.restartable:
-            return (
-                f"{who}: it holds learner state (its optimizer steps since the last checkpoint "
-                f"are gone with it), so the run is not restarted; {resume}\n{cause}"
+            why = (
+                "it holds learner state (its optimizer steps since the last checkpoint are gone "
+                "with it), so the run is not restarted"
             )
-        if self.budget == 0:
-            return f"{who}, and cluster.max_restarts = 0 allows no restart; {resume}\n{cause}"
-        return (
-            f"{who} after the run was restarted {self.done} time(s): cluster.max_restarts = "
-            f"{self.budget} are spent (each restart's cause is in the run's warning logs); "
-            f"{resume}\nThe last cause: {cause}"
-        )
+        elif self.budget == 0:
+            why = "cluster.max_restarts = 0 allows no restart"
+        else:
+            why = (
+                f"the run was restarted {self.done} time(s) already, all that "
+                f"cluster.max_restarts = {self.budget} allows (each restart's cause is a warning "
+                "in the run's logs)"
+            )
+        who = f"{rank_name(death.rank, self.roles)} died {death.how()}{death.where()}"
+        if cause.startswith(who):  # died without a traceback: the cause already says who, how
+            first, _, rest = cause.partition("\n")
+            return f"{first}: {why}; {resume}" + (f"\n{rest}" if rest else "")
+        return f"{who}: {why}; {resume}\n{cause}"
 
 
 def _newest(store: RunStore, restarts: Restarts) -> str:
