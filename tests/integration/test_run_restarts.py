@@ -7,6 +7,7 @@ part-way through, found by the pid in its activity file (workers/rank-N.json).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -29,15 +30,28 @@ SETTINGS = (
     "cluster.placement={ actor = [0], learner = [1] }",
     f"algorithm.max_steps={STEPS}",
     "checkpoint.interval=1",
-    # 0.3 s a step on the actor: a step is long enough to be hit in the middle.
-    "rewards=[{ fn = './slow.py:slow' }]",
 )
+# 0.3 s a step on the actor: a step is long enough to be hit in the middle.
+SLOW = "rewards=[{ fn = './slow.py:slow' }]"
+# The same, and the actor starts a child that would outlive it (a plugin's helper process).
+FORKING = "rewards=[{ fn = './forking.py:forking' }]"
+FORKING_REWARD = """
+import subprocess, sys, time
+
+children = []
+
+def forking(prompts, completions, **_):
+    if not children:
+        children.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]))
+    time.sleep(0.3)
+    return [0.0 for _ in completions]
+"""
 ACTOR, LEARNER = 0, 1
 
 
-def _start(workdir: Path, *extra: str):
+def _start(workdir: Path, *extra: str, reward: str = SLOW):
     args = ["run", "--config", "examples/grpo-tiny.toml"]
-    for setting in (*SETTINGS, *extra):
+    for setting in (*SETTINGS, reward, *extra):
         args += ["--set", setting]
     return start(workdir, *args)
 
@@ -97,18 +111,46 @@ def _nothing_left(workdir: Path) -> None:
     )
 
 
+def _gone(pid: int) -> bool:
+    fields = proc_stat(pid)
+    return fields is None or fields[0] in ("Z", "X")
+
+
+def _restarts(workdir: Path) -> float:
+    run_id = _run_id(workdir)
+    with _store(workdir) as store:
+        found = store.latest_metrics(run_id).get("run/restarts")
+        return found.value if found is not None else 0.0
+
+
 def _steps(store, run_id: str, name: str) -> list[int]:
     return sorted(m.step for m in store.metrics(run_id, [name]))
 
 
+def _children_of_plugins(workdir: Path) -> set[int]:
+    """The forking reward's children: their environment carries the run's token, their command
+    line nothing of the run, so they are found as children of the actor."""
+    pid = _worker_pid(workdir, ACTOR)
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    with contextlib.suppress(OSError, TypeError):
+        return {int(child) for child in children.read_text().split()}
+    return set()
+
+
 def test_a_killed_actor_is_restarted_and_the_run_finishes_with_every_step(workdir):
-    host = _start(workdir)
+    (workdir / "examples" / "forking.py").write_text(FORKING_REWARD)
+    host = _start(workdir, reward=FORKING)
+    _wait(lambda: _last_step(workdir) >= 2, timeout=180, what="step 2 recorded")
+    orphans = _wait(lambda: _children_of_plugins(workdir), timeout=30, what="the plugin's child")
     killed = _kill_at_step(workdir, ACTOR, 2)
+    # The dead attempt's leftovers are killed before the next starts, not at the run's end.
+    _wait(lambda: _restarts(workdir), timeout=120, what="the restart recorded")
+    _wait(lambda: all(_gone(pid) for pid in orphans), timeout=10, what="the plugin's child ending")
     out, err = host.communicate(timeout=300)
     assert host.returncode == 0, out + err
     assert "restarting" in out and "rank 0 (actor+reward) died from signal SIGKILL" in out, out
     _nothing_left(workdir)
-    assert proc_stat(killed) is None or proc_stat(killed)[0] in ("Z", "X")
+    assert _gone(killed)
     with _store(workdir) as store:
         (record,) = store.list_runs()
         assert record.status == "finished" and record.last_step == STEPS
