@@ -72,18 +72,22 @@ class Death:
 
 
 def first_death(run_dir: Path, torchrun_output: str) -> Death | None:
-    """Which rank ended the attempt: the one killed by a signal or exiting without a Python
-    exception (a peer's death makes the other ranks raise, a connection closed in a
-    collective; it never kills them), else the first to raise. None if no rank is known to have
-    failed (torchrun itself did)."""
+    """Which rank ended the attempt: the one killed by a signal (other than torchrun's own
+    SIGTERM to the survivors) or exiting without a Python exception (a peer's death makes the
+    other ranks raise, a connection closed in a collective; it never kills them), else the first
+    to raise, else torchrun's root cause. None if no rank is known to have failed (torchrun
+    itself did)."""
     failed = _torchrun_failures(torchrun_output)
     tracebacks = sorted((run_dir / "errors").glob("rank-*.txt"), key=lambda p: p.stat().st_mtime)
     raised = {int(path.stem.removeprefix("rank-")): path for path in tracebacks}
-    silent = [rank for rank in failed if rank not in raised]
+    # SIGTERM is how torchrun stops the other ranks once one failed: never the cause.
+    silent = [r for r, code in failed.items() if r not in raised and code != -signal.SIGTERM]
     if silent:
         rank, traceback = silent[0], None
     elif tracebacks:
         rank, traceback = int(tracebacks[0].stem.removeprefix("rank-")), tracebacks[0]
+    elif failed:
+        rank, traceback = next(iter(failed)), None  # torchrun's root cause
     else:
         return None
     activity = _read_json(activity_file(run_dir, rank)) or {}

@@ -77,6 +77,18 @@ def test_a_rank_killed_by_a_signal_is_the_cause_not_the_peer_that_raised(tmp_pat
     assert death.where() == " at step 4 inside reward 'slow'"
 
 
+def test_a_rank_torchrun_stopped_with_sigterm_is_never_the_cause(tmp_path):
+    # The learner raised (out of memory, say); torchrun then stopped the actor with SIGTERM.
+    error_file(tmp_path, 1).parent.mkdir(parents=True)
+    error_file(tmp_path, 1).write_text("torch.OutOfMemoryError: ...\n")
+    summary = SUMMARY.replace("exitcode  : -9", "exitcode  : -15")
+    death = first_death(tmp_path, summary)
+    assert death.rank == 1 and death.traceback == error_file(tmp_path, 1)
+    (tmp_path / "errors" / "rank-1.txt").unlink()
+    only_sigterms = summary.replace("exitcode  : 1", "exitcode  : -15")
+    assert first_death(tmp_path, only_sigterms).rank == 0  # torchrun's root cause
+
+
 def test_when_every_failed_rank_raised_the_first_traceback_is_the_cause(tmp_path):
     for rank, when in ((1, 100), (0, 200)):
         error_file(tmp_path, rank).parent.mkdir(parents=True, exist_ok=True)
