@@ -98,6 +98,14 @@ class ClusterSection(TypedDict):
     longest time one rank may work alone between collectives.
 
     Range: > 0, ≤ 86400. Default: 600.0."""
+    max_restarts: NotRequired[int | None]
+    """How many times the run's processes are started again after an actor rank dies (every
+    process restarts and resumes from the newest checkpoint, redoing the steps since). Only
+    ranks that run no learner are restarted: a rank holding learner state that dies fails the
+    run at once. None: 3 when actors have ranks of their own ([cluster.placement]), else 0;
+    above 0 needs such ranks.
+
+    Range: ≥ 0, ≤ 1000. Default: None."""
     sharding: NotRequired[Literal["none", "fsdp"]]
     """'none' (the default): every learner process holds the whole model and its optimizer state,
     and gradients are averaged over processes (data parallel). 'fsdp': torch FSDP2 shards

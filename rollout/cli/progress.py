@@ -65,6 +65,7 @@ class RunView:
             on_poll=self.on_poll,
             on_signal=self.on_signal,
             on_already_finished=self.on_already_finished,
+            on_restart=self.on_restart,
         )
 
     def on_start(self, plan: Plan, resumed: bool) -> None:
@@ -112,6 +113,9 @@ class RunView:
             for console in self._all:
                 console.file = self._devnull
             self._bar = None
+
+    def on_restart(self, line: str) -> None:
+        self.console.print(f"[yellow]restarting[/]: {escape(line)}", crop=False)
 
     def on_already_finished(self, plan: Plan, record: RunRecord) -> None:
         self.console.print(

@@ -119,6 +119,16 @@ class ClusterSection(ConfigModel):
         "the other ranks before the run fails, naming the rank, its role and its step. Must "
         "exceed the longest time one rank may work alone between collectives.",
     )
+    max_restarts: int | None = Field(
+        default=None,
+        ge=0,
+        le=1000,
+        description="How many times the run's processes are started again after an actor rank "
+        "dies (every process restarts and resumes from the newest checkpoint, redoing the steps "
+        "since). Only ranks that run no learner are restarted: a rank holding learner state "
+        "that dies fails the run at once. None: 3 when actors have ranks of their own "
+        "([cluster.placement]), else 0; above 0 needs such ranks.",
+    )
     sharding: Sharding = Field(
         default="none",
         description="'none' (the default): every learner process holds the whole model and its "

@@ -17,10 +17,13 @@ import contextlib
 import json
 import re
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 
-_TORCHRUN_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)", re.MULTILINE)
-_TORCHRUN_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)", re.MULTILINE)
+# One failure of torchrun's summary: "  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 7)".
+_TORCHRUN_BLOCK = re.compile(
+    r"^\s*rank\s*:\s*(\d+)[^\n]*(?:\n\s*exitcode\s*:\s*(-?\d+))?", re.MULTILINE
+)
 _FAULT_TAIL = 4000
 _COLLECTIVE_TIMEOUT = re.compile(
     # gloo: "Timed out waiting 5000ms for recv operation to complete"; NCCL's watchdog:
@@ -42,6 +45,55 @@ def activity_file(run_dir: str | Path, rank: int) -> Path:
     return Path(run_dir) / "workers" / f"rank-{rank}.json"
 
 
+@dataclass(frozen=True)
+class Death:
+    """The rank whose end ended this attempt of the run, as far as the host can tell."""
+
+    rank: int
+    exitcode: int | None
+    """Its exit code (negative: the signal), from torchrun's summary; None if not listed."""
+    traceback: Path | None
+    """errors/rank-N.txt when it raised a Python exception; None when it died without one."""
+    step: int | None
+    """Its last step (its activity file), None before its first."""
+    inside: str | None
+    """The plugin code it was running, if any."""
+
+    def how(self) -> str:
+        """'from signal SIGKILL (exit code -9)', 'with exit code 3', 'raising an exception'."""
+        if self.traceback is not None and (self.exitcode is None or self.exitcode >= 0):
+            return "raising an exception"
+        return _how(self.exitcode)
+
+    def where(self) -> str:
+        """' at step 3 inside reward ...', or '' when it had not begun a step."""
+        text = f" at step {self.step}" if self.step is not None else ""
+        return text + (f" inside {self.inside}" if self.inside else "")
+
+
+def first_death(run_dir: Path, torchrun_output: str) -> Death | None:
+    """Which rank ended the attempt: the one killed by a signal (other than torchrun's own
+    SIGTERM to the survivors) or exiting without a Python exception (a peer's death makes the
+    other ranks raise, a connection closed in a collective; it never kills them), else the first
+    to raise, else torchrun's root cause. None if no rank is known to have failed (torchrun
+    itself did)."""
+    failed = _torchrun_failures(torchrun_output)
+    tracebacks = sorted((run_dir / "errors").glob("rank-*.txt"), key=lambda p: p.stat().st_mtime)
+    raised = {int(path.stem.removeprefix("rank-")): path for path in tracebacks}
+    # SIGTERM is how torchrun stops the other ranks once one failed: never the cause.
+    silent = [r for r, code in failed.items() if r not in raised and code != -signal.SIGTERM]
+    if silent:
+        rank, traceback = silent[0], None
+    elif tracebacks:
+        rank, traceback = int(tracebacks[0].stem.removeprefix("rank-")), tracebacks[0]
+    elif failed:
+        rank, traceback = next(iter(failed)), None  # torchrun's root cause
+    else:
+        return None
+    activity = _read_json(activity_file(run_dir, rank)) or {}
+    return Death(rank, failed.get(rank), traceback, activity.get("step"), activity.get("inside"))
+
+
 def describe_failure(
     run_dir: Path,
     returncode: int,
@@ -51,39 +103,41 @@ def describe_failure(
     collective_timeout_s: float | None = None,
     torchrun_output: str | None = None,
 ) -> str:
-    """The run's error: the first worker traceback if there is one (led, for a collective that
-    timed out, by which rank waited where and where the others were), else which rank died how,
-    at which step and inside which plugin. `roles` names each rank's roles; `torchrun_output` is
-    this start's part of the log (the whole log if None)."""
-    tracebacks = sorted((run_dir / "errors").glob("rank-*.txt"), key=lambda p: p.stat().st_mtime)
-    if tracebacks:
-        text = tracebacks[0].read_text(encoding="utf-8")
-        message = f"{tracebacks[0].stem}: " + text
-        if _COLLECTIVE_TIMEOUT.search(text):
-            rank = int(tracebacks[0].stem.removeprefix("rank-"))
-            message = _collective_timeout(run_dir, rank, roles or {}, collective_timeout_s) + (
-                "\n" + message
-            )
-        return message
+    """The run's error: which rank died how, at which step and inside which plugin, when a
+    rank died without a Python exception (with its faulthandler stack); else the first worker
+    traceback (led, for a collective that timed out, by which rank waited where and where the
+    others were). `roles` names each rank's roles; `torchrun_output` is this start's part of
+    the log (the whole log if None)."""
     output = torchrun_output if torchrun_output is not None else _read_text(torchrun_log)
-    rank, exitcode = _torchrun_verdict(output)
-    if rank is None:
+    death = first_death(run_dir, output)
+    if death is None:
         return (
             f"torchrun exited with code {returncode} before any worker reported an error; "
             f"its output is in {torchrun_log}"
         )
-    parts = [f"rank {rank} died {_how(exitcode)}"]
-    activity = _read_json(activity_file(run_dir, rank))
-    if activity and activity.get("step") is not None:
-        parts.append(f"at step {activity['step']}")
-    if activity and activity.get("inside"):
-        parts.append(f"inside {activity['inside']}")
-    message = " ".join(parts) + f" (torchrun's output is in {torchrun_log})"
+    if death.traceback is not None:
+        text = death.traceback.read_text(encoding="utf-8")
+        message = f"{death.traceback.stem}: " + text
+        if _COLLECTIVE_TIMEOUT.search(text):
+            message = _collective_timeout(
+                run_dir, death.rank, roles or {}, collective_timeout_s
+            ) + ("\n" + message)
+        return message
+    message = (
+        f"{rank_name(death.rank, roles)} died {death.how()}{death.where()} "
+        f"(torchrun's output is in {torchrun_log})"
+    )
     # faulthandler ends with the list of loaded extension modules: no help in finding the plugin.
-    fault = _read_text(fault_file(run_dir, rank)).split("\nExtension modules:")[0]
+    fault = _read_text(fault_file(run_dir, death.rank)).split("\nExtension modules:")[0]
     if fault.strip():
         message += "\n" + fault[-_FAULT_TAIL:]
     return message
+
+
+def rank_name(rank: int, roles: dict[int, str] | None) -> str:
+    """'rank 1 (learner)', or 'rank 1' when its roles are not known."""
+    role = (roles or {}).get(rank)
+    return f"rank {rank} ({role})" if role else f"rank {rank}"
 
 
 def _collective_timeout(
@@ -122,13 +176,16 @@ def _rank_at(run_dir: Path, rank: int, roles: dict[int, str]) -> str:
     return text
 
 
-def _torchrun_verdict(text: str) -> tuple[int | None, int | None]:
-    """The first failed rank and its exit code, from torchrun's failure summary (which lists
-    the other failures first, then the root cause: the first observed failure)."""
-    text = text[text.rfind("Root Cause") :] if "Root Cause" in text else text
-    rank = _TORCHRUN_RANK.search(text)
-    code = _TORCHRUN_EXIT.search(text)
-    return (int(rank.group(1)) if rank else None, int(code.group(1)) if code else None)
+def _torchrun_failures(text: str) -> dict[int, int | None]:
+    """Every failed rank and its exit code, from torchrun's failure summary (which lists the
+    other failures first, then the root cause: the first it observed), root cause first."""
+    failures: dict[int, int | None] = {}
+    root = text.rfind("Root Cause")
+    for part in (text[root:], text[:root]) if root >= 0 else (text,):
+        for block in _TORCHRUN_BLOCK.finditer(part):
+            code = block.group(2)
+            failures.setdefault(int(block.group(1)), int(code) if code is not None else None)
+    return failures
 
 
 def _how(exitcode: int | None) -> str:

@@ -11,7 +11,9 @@ The host never imports the runtime. In order, `run_plan`:
    (rollout.executor.processes: no process of the run outlives it, however this one ends), as
    node 0 of the plan's nodes (rollout.executor.rendezvous: where they meet); the other nodes
    join with `rollout run --plan plan.lock --node-rank K` (rollout.executor.join);
-4. polls the run store for progress and cancellation while a heartbeat renews the lease; on
+4. polls the run store for progress and cancellation while a heartbeat renews the lease; starts
+   torchrun again when an actor rank dies, within cluster.max_restarts
+   (rollout.executor.restarts: every worker resumes from the newest checkpoint); on
    Ctrl-C, SIGTERM, SIGHUP (a closed terminal) or `rollout runs cancel`, stops the workers
    (SIGTERM: they checkpoint the step they finished; SIGKILL after a grace period, or at once on a
    second signal);
@@ -34,11 +36,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollout.errors import Issue, RolloutError
-from rollout.executor.failure import activity_file, describe_failure, error_file, fault_file
+from rollout.executor.failure import (
+    activity_file,
+    describe_failure,
+    error_file,
+    fault_file,
+    first_death,
+)
 from rollout.executor.ownership import Heartbeat, claim, directory_lock, lease_seconds
 from rollout.executor.preflight import verify_plan
 from rollout.executor.processes import RUN_TOKEN_ENV, Reaper, kill_marked
 from rollout.executor.rendezvous import Rendezvous, check_node_rank, rendezvous_failure, resolve
+from rollout.executor.restarts import Restarts
 from rollout.planner.definition import Plan
 from rollout.storage import open_store
 from rollout.storage.base import RunRecord, RunStore
@@ -58,6 +67,9 @@ class Progress:
     on_signal: Callable[[str], None] = lambda name: None
     """A stop signal arrived (SIGHUP: the terminal is gone, so print nothing more there)."""
     on_already_finished: Callable[[Plan, RunRecord], None] = lambda plan, record: None
+    on_restart: Callable[[str], None] = lambda line: None
+    """A rank died and every process starts again (rollout.executor.restarts): why, and which
+    restart of how many."""
 
 
 def run_plan(plan_path: str | Path, *, progress: Progress | None = None) -> RunRecord:
@@ -176,7 +188,9 @@ def supervise(
     watch: Callable[[RunStore], Stop | None],
     plan_arg: str,
 ) -> tuple[str, str | None]:
-    """Run this node's torchrun agent to its end; return this node's status and error.
+    """Run this node's torchrun agent to its end, starting it again after an actor rank dies
+    while cluster.max_restarts allows (rollout.executor.restarts); return this node's status
+    and error.
 
     `watch` is asked twice a second whether to stop early (a cancel, a lost lease, the run
     ended by node 0); a stop signal to this process stops the workers too. `plan_arg` is the
@@ -186,10 +200,56 @@ def supervise(
     # Workers' and torchrun's own output goes to a file in the run directory: the terminal shows
     # the progress bar, the run store has the logs, and a failure is summarized from the files.
     output = run_dir / torchrun_log_name(rdzv.node_rank)
-    start = output.stat().st_size if output.exists() else 0  # this start's part of the log
+    roles = {p.rank: "+".join(p.roles) for p in plan.graph.processes}
+    restarts = Restarts.of(plan, rdzv.node_rank, store)
     stops = _StopRequests(progress.on_signal)
-    reaper = Reaper(token)
+    reaper = Reaper(token)  # one for every attempt: restarted workers carry the same token
     previous = stops.install()
+    try:
+        while True:
+            start = output.stat().st_size if output.exists() else 0  # this attempt's part
+            ended = _attempt(plan, plan_copy, store, progress, token, rdzv, watch, stops, output)
+            if isinstance(ended, Stop):
+                return ended.status, ended.error
+            if ended == 0:
+                return "finished", None
+            this_start = _read_from(output, start)
+            met = rendezvous_failure(rdzv, this_start, plan_arg)
+            if met is not None:
+                return "failed", met
+            death = first_death(run_dir, this_start)
+            cause = describe_failure(
+                run_dir,
+                ended,
+                output,
+                roles=roles,
+                collective_timeout_s=plan.config.cluster.collective_timeout_s,
+                torchrun_output=this_start,
+            )
+            if not restarts.allows(death):
+                return "failed", restarts.failure(death, cause, plan_arg, store)
+            assert death is not None
+            kill_marked(token)  # what the dead attempt left (a plugin's children) goes first
+            progress.on_restart(restarts.record(store, death, cause))
+            clear_old_reports(plan, rdzv.node_rank)
+    finally:
+        _restore_signals(previous)
+        kill_marked(token)  # e.g. a reward plugin's children, left behind by a worker
+        reaper.close()
+
+
+def _attempt(
+    plan: Plan,
+    plan_copy: Path,
+    store: RunStore,
+    progress: Progress,
+    token: str,
+    rdzv: Rendezvous,
+    watch: Callable[[RunStore], Stop | None],
+    stops: _StopRequests,
+    output: Path,
+) -> Stop | int:
+    """One start of torchrun's agent, to its end: its exit code, or why the host stopped it."""
     process = None
     try:
         with output.open("ab") as log_file:
@@ -207,30 +267,14 @@ def supervise(
                     _kill_now(process, token)
                 else:
                     _stop(process, token, stops)
-                return stop.status, stop.error
+                return stop
             progress.on_poll(plan, store)
             time.sleep(POLL_SECONDS)
         progress.on_poll(plan, store)
+        return process.returncode
     finally:
-        _restore_signals(previous)
         if process is not None and process.poll() is None:
             _kill_now(process, token)
-        kill_marked(token)  # e.g. a reward plugin's children, left behind by a worker
-        reaper.close()
-    if process.returncode == 0:
-        return "finished", None
-    this_start = _read_from(output, start)
-    met = rendezvous_failure(rdzv, this_start, plan_arg)
-    if met is not None:
-        return "failed", met
-    return "failed", describe_failure(
-        run_dir,
-        process.returncode,
-        output,
-        roles={p.rank: "+".join(p.roles) for p in plan.graph.processes},
-        collective_timeout_s=plan.config.cluster.collective_timeout_s,
-        torchrun_output=this_start,
-    )
 
 
 def torchrun_log_name(node_rank: int) -> str:
@@ -302,6 +346,8 @@ def _torchrun_command(plan: Plan, plan_copy: Path, rdzv: Rendezvous) -> list[str
         "--",
         *rdzv.torchrun_args(),
         f"--nproc_per_node={plan.graph.nproc_per_node}",
+        # The host restarts (rollout.executor.restarts): torchrun's own restarts cannot tell an
+        # actor's death (restart) from a learner's (fail).
         "--max_restarts=0",
         "--monitor_interval=0.5",
         "--module",

@@ -51,7 +51,7 @@ from rollout.planner.memory import (
     runs_live_reference,
     vllm_share_issues,
 )
-from rollout.planner.placement import build_graph
+from rollout.planner.placement import build_graph, max_restarts
 from rollout.planner.reward_model import model_directory_of, resolve_reward_model
 from rollout.planner.runnable import run_refusals
 from rollout.planner.store_check import store_issues
@@ -597,6 +597,7 @@ def _derive(
         adapter_parameters=adapter_parameters(lora, model) if lora is not None else None,
         logprob_temperature=logprob_temperature,
         evaluates=config.data.eval is not None and any(f.split == "eval" for f in data),
+        max_restarts=max_restarts(config.cluster.max_restarts, graph),
     )
 
 

@@ -194,6 +194,12 @@ class Derived(Frozen):
         "sampling temperature (1 for greedy sampling).",
     )
     evaluates: bool = Field(description="Whether the run evaluates on a held-out split.")
+    max_restarts: int = Field(
+        default=0,
+        ge=0,
+        description="cluster.max_restarts resolved: how many times the executor starts the "
+        "run's processes again after a rank that holds no learner state dies.",
+    )
 
 
 class Versions(Frozen):

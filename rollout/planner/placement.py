@@ -100,3 +100,23 @@ def recording_rank(graph: Graph) -> int:
     """The rank that records metrics and writes checkpoints: the first learner (rank 0 when
     every process runs every role)."""
     return next(role.ranks[0] for role in graph.roles if role.role == "learner")
+
+
+def restartable_ranks(graph: Graph) -> list[int]:
+    """The ranks whose death the run survives by restarting: those that hold no learner state
+    (actors and the rewards beside them). A learner's optimizer steps since its last checkpoint
+    die with it, and on a colocated placement every rank is a learner."""
+    return [p.rank for p in graph.processes if "learner" not in p.roles]
+
+
+DEFAULT_MAX_RESTARTS = 3
+"""cluster.max_restarts when unset and some rank is restartable: enough for a stray OOM kill or
+a crashed engine, few enough that a fault that recurs every attempt fails the run soon."""
+
+
+def max_restarts(configured: int | None, graph: Graph) -> int:
+    """cluster.max_restarts resolved: as set, else DEFAULT_MAX_RESTARTS when some rank is
+    restartable on a one-node run (node 0's host restarts its own agent only), else 0."""
+    if configured is not None:
+        return configured
+    return DEFAULT_MAX_RESTARTS if restartable_ranks(graph) and graph.nnodes == 1 else 0

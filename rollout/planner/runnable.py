@@ -21,7 +21,7 @@ from rollout.planner.criu_check import criu_problem
 from rollout.planner.definition import Graph
 from rollout.planner.location_check import writable_issue
 from rollout.planner.object_stores import OBJECT_STORES, scheme
-from rollout.planner.placement import is_disaggregated
+from rollout.planner.placement import is_disaggregated, restartable_ranks
 
 Check = Callable[[RunConfig, Graph | None], Iterator[Issue]]
 CHECKS: list[Check] = []
@@ -103,6 +103,34 @@ def _placement(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
             "actors and learners on separate processes it would be skipped",
             hint="set data.eval = null for this run (evaluate its checkpoints afterwards), or "
             "remove [cluster.placement]",
+        )
+
+
+@check
+def _restarts(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
+    """A restart is worth it only for ranks that hold no learner state, and only node 0's host
+    restarts (a joining node's agent ends with its workers)."""
+    wanted = config.cluster.max_restarts
+    if graph is None or not wanted:
+        return
+    if not restartable_ranks(graph):
+        yield Issue(
+            "cluster.max_restarts",
+            "every rank of this run holds learner state (colocated, every process runs every "
+            "role): a rank that dies takes the steps since the last checkpoint with it, so the "
+            "run fails and resumes from that checkpoint when the plan is run again; there is "
+            "nothing to restart",
+            value=wanted,
+            hint="set max_restarts = 0 (or remove it), or give actors ranks of their own, e.g. "
+            "[cluster] nproc_per_node = 2, placement = { actor = [0], learner = [1] }",
+        )
+    elif graph.nnodes > 1:
+        yield Issue(
+            "cluster.max_restarts",
+            f"restarts work on one node in this version of rollout; this run has {graph.nnodes}",
+            value=wanted,
+            hint="set max_restarts = 0: a failed run resumes from its newest checkpoint when "
+            "`rollout run --plan plan.lock` (and each node's --node-rank K) is run again",
         )
 
 

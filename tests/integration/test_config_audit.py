@@ -949,6 +949,21 @@ SECTION_CASES: dict[str, list[Case]] = {
     "cluster.threads_per_process": [
         plan_shows("grpo", {"cluster.threads_per_process": 2}, derived("threads_per_process"))
     ],
+    # Refused where every rank is a learner; with actors apart, the host's restart budget
+    # (tests/integration/test_run_restarts.py kills an actor and sees it restarted, or not).
+    "cluster.max_restarts": [
+        refused("grpo", {"cluster.max_restarts": 2}),
+        plan_shows(
+            "grpo",
+            {"cluster.max_restarts": 0},
+            derived("max_restarts"),
+            base={
+                "cluster.placement": {"actor": [0], "learner": [1]},
+                "cluster.nproc_per_node": 2,
+                "data.eval": DELETE,
+            },
+        ),
+    ],
     # Where AUDIT_DSN names a server, the plan records into it; elsewhere the plan is refused
     # (the DSN cannot be read): either way not the base's SQLite file.
     "storage.backend": [

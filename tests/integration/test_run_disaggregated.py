@@ -99,6 +99,8 @@ def test_a_stopped_split_run_resumes_from_the_learners_checkpoint(workdir):
         "algorithm.max_steps=4",
         "checkpoint.interval=2",
         "rewards=[{ fn = './counting.py:counting' }]",
+        # The actor's failure ends the run rather than restarting it (test_run_restarts).
+        "cluster.max_restarts=0",
         *SPLIT,
     )
     plan = workdir / "plan.lock"
