@@ -118,6 +118,12 @@ def average_gradients(params: Iterable[torch.Tensor]) -> None:
             param.grad /= world
 
 
+def local_value(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as a plain tensor: a replicated DTensor (a sharded model's gradient norm, the
+    whole gradient's) gives its local value, which every rank holds the same of."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 # --- metrics and counts --------------------------------------------------------------------------
 
 

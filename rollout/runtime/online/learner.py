@@ -11,7 +11,6 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from rollout.algorithms.losses import grpo_loss, read_metrics
 from rollout.runtime import transport
@@ -257,8 +256,7 @@ class Learner:
         params = [p for p in self._trained_parameters() if p.grad is not None]
         limit = self.knobs.max_grad_norm
         norm = torch.nn.utils.clip_grad_norm_(params, limit if limit is not None else float("inf"))
-        # A sharded model's norm is a replicated DTensor (the whole gradient's): its local value.
-        return norm.to_local() if isinstance(norm, DTensor) else norm
+        return transport.local_value(norm)  # a sharded model's norm is a DTensor
 
 
 def _host_values(values: torch.Tensor) -> list[float]:
