@@ -72,8 +72,9 @@ class Death:
 
 
 def first_death(run_dir: Path, torchrun_output: str) -> Death | None:
-    """Which rank ended the attempt: the one killed by a signal (other than torchrun's own
-    SIGTERM to the survivors) or exiting without a Python exception (a peer's death makes the
+    """Which rank ended the attempt: one that timed out in a collective, else the one killed by
+    a signal (other than torchrun's own SIGTERM to the survivors) or exiting without a Python
+    exception (a peer's death makes the
     other ranks raise, a connection closed in a collective; it never kills them), else the first
     to raise, else torchrun's root cause. None if no rank is known to have failed (torchrun
     itself did)."""
@@ -82,7 +83,13 @@ def first_death(run_dir: Path, torchrun_output: str) -> Death | None:
     raised = {int(path.stem.removeprefix("rank-")): path for path in tracebacks}
     # SIGTERM is how torchrun stops the other ranks once one failed: never the cause.
     silent = [r for r, code in failed.items() if r not in raised and code != -signal.SIGTERM]
-    if silent:
+    # A rank that waited past the collective timeout names the cause: its peers were alive but
+    # stuck (in a plugin, say), and torchrun killed them afterwards (SIGKILL once they ignored
+    # its SIGTERM), which would otherwise look like the first death.
+    timed_out = [path for path in tracebacks if _COLLECTIVE_TIMEOUT.search(_read_text(path))]
+    if timed_out:
+        rank, traceback = int(timed_out[0].stem.removeprefix("rank-")), timed_out[0]
+    elif silent:
         rank, traceback = silent[0], None
     elif tracebacks:
         rank, traceback = int(tracebacks[0].stem.removeprefix("rank-")), tracebacks[0]

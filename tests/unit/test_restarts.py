@@ -77,6 +77,17 @@ def test_a_rank_killed_by_a_signal_is_the_cause_not_the_peer_that_raised(tmp_pat
     assert death.where() == " at step 4 inside reward 'slow'"
 
 
+def test_a_rank_that_timed_out_in_a_collective_is_the_cause_not_the_stuck_rank_killed(tmp_path):
+    # Rank 0 stalled inside a plugin; rank 1 waited past the collective timeout and raised;
+    # torchrun then killed the stuck rank 0 with SIGKILL once it ignored SIGTERM.
+    error_file(tmp_path, 1).parent.mkdir(parents=True)
+    error_file(tmp_path, 1).write_text(
+        "RuntimeError: [gloo] Timed out waiting 4000ms for recv operation to complete\n"
+    )
+    death = first_death(tmp_path, SUMMARY)
+    assert death.rank == 1 and death.traceback == error_file(tmp_path, 1)
+
+
 def test_a_rank_torchrun_stopped_with_sigterm_is_never_the_cause(tmp_path):
     # The learner raised (out of memory, say); torchrun then stopped the actor with SIGTERM.
     error_file(tmp_path, 1).parent.mkdir(parents=True)
