@@ -118,18 +118,20 @@ def test_a_slowed_actor_claims_fewer_chunks_and_the_losses_do_not_change(workdir
 
 
 def test_two_actors_feed_two_learners_the_batch_one_learner_trains_on(workdir):
-    """Each learner takes its half of every chunk-assembled batch: the losses are those of one
-    learner training on the whole batch (up to the order gradients are summed in)."""
-    one = _run(workdir, *SHARED)
+    """Each learner takes its half of every chunk-assembled batch. With one minibatch a step
+    (so one and two learners take the same optimizer steps), the run is that of one learner
+    training on the whole batch, up to the order gradients are summed in."""
+    one_minibatch = (*SHARED, f"algorithm.minibatch_size={PROMPTS * 4}")
+    one = _run(workdir, *one_minibatch)
     two = _run(
         workdir,
-        *SHARED,
+        *one_minibatch,
         "cluster.nproc_per_node=4",
         "cluster.placement={ actor = [0, 1], learner = [2, 3] }",
     )
     assert _store(workdir).get_run(two).status == "finished"
-    assert _series(workdir, two, "reward/mean") == _series(workdir, one, "reward/mean")
-    assert _series(workdir, two, "reward/std") == _series(workdir, one, "reward/std")
-    for name in ("train/loss", "train/grad_norm"):
-        assert _series(workdir, two, name) == pytest.approx(_series(workdir, one, name), rel=1e-4)
+    for name in ("train/loss", "train/grad_norm", "reward/mean", "reward/std"):
+        expected = _series(workdir, one, name)
+        assert len(expected) == STEPS
+        assert _series(workdir, two, name) == pytest.approx(expected, rel=1e-4), name
     assert _prompts_by_step(workdir, two, rank=3) == _prompts_by_step(workdir, one, rank=2)
