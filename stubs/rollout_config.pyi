@@ -120,6 +120,13 @@ class ClusterSection(TypedDict):
     compute, float32 reductions). None: everything in model.dtype.
 
     Default: None."""
+    queue_chunk_size: NotRequired[int | None]
+    """With several actor processes (cluster.placement gives 'actor' two ranks or more): how many
+    prompts (each with its num_generations completions) an actor claims at a time from the
+    step's work queue. Smaller balances the actors finer; larger generates in bigger batches.
+    None: a quarter of one actor's even share, at least 1.
+
+    Range: ≥ 1, ≤ 1000000. Default: None."""
 
 class DataSection(TypedDict):
     train: DataSource

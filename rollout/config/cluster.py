@@ -143,3 +143,12 @@ class ClusterSection(ConfigModel):
         description="With sharding = 'fsdp': compute and gradient-reduction dtypes (an empty "
         "table: bfloat16 compute, float32 reductions). None: everything in model.dtype.",
     )
+    queue_chunk_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_000_000,
+        description="With several actor processes (cluster.placement gives 'actor' two ranks or "
+        "more): how many prompts (each with its num_generations completions) an actor claims "
+        "at a time from the step's work queue. Smaller balances the actors finer; larger "
+        "generates in bigger batches. None: a quarter of one actor's even share, at least 1.",
+    )

@@ -570,6 +570,10 @@ def _derive(
             total_steps = min(total_steps, algo.max_steps)
         total_optimizer_steps = total_steps  # one optimizer step per step
         max_len = algo.max_length
+    chunk = None
+    if prompts_per_rank is not None and _actor_count(graph) > 1:
+        # A quarter of an even share: the actors balance, and still generate in batches.
+        chunk = config.cluster.queue_chunk_size or max(1, prompts_per_rank // 4)
     micro = algo.micro_batch_size or max(1, minibatch // learners)
     per_rank = max(1, minibatch // learners)
     lora = config.model.lora
@@ -583,6 +587,7 @@ def _derive(
         or max(1, hardware.cpu_count // config.cluster.nproc_per_node),
         prompts_per_step=prompts_per_step,
         prompts_per_rank=prompts_per_rank,
+        queue_chunk_size=chunk,
         minibatch_size=minibatch,
         minibatch_per_rank=per_rank,
         micro_batch_size=micro,

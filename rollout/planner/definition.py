@@ -158,6 +158,12 @@ class Derived(Frozen):
     prompts_per_rank: Count | None = Field(
         default=None, description="Prompts each actor process takes per step (online kinds)."
     )
+    queue_chunk_size: Count | None = Field(
+        default=None,
+        description="Prompts per work-queue chunk when several actor processes share each "
+        "step's prompts (cluster.queue_chunk_size, or a quarter of prompts_per_rank); None "
+        "otherwise (one actor, or colocated roles).",
+    )
     minibatch_size: Count
     minibatch_per_rank: Count = Field(
         description="Sequences (online) or samples (offline) of each minibatch per learner process."

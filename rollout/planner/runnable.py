@@ -135,6 +135,30 @@ def _restarts(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
 
 
 @check
+def _queue_needs_several_actors(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
+    """The work queue shares a step's prompts among actor processes; with one (or every role
+    in every process) there is nothing to share, so its chunk size would be ignored."""
+    chunk = config.cluster.queue_chunk_size
+    if graph is None or chunk is None:
+        return
+    actors = next((len(r.ranks) for r in graph.roles if r.role == "actor"), 0)
+    if not isinstance(config.algorithm, OnPolicyKnobs) or not is_disaggregated(graph) or actors < 2:
+        has = (
+            "one actor process"
+            if actors == 1 and is_disaggregated(graph)
+            else "no actor processes apart from its learners"
+        )
+        yield Issue(
+            "cluster.queue_chunk_size",
+            "the work queue hands a step's prompts to several actor processes; this run has "
+            f"{has}, so a chunk size would be ignored",
+            value=chunk,
+            hint="remove cluster.queue_chunk_size, or give actors two ranks or more, e.g. "
+            "[cluster] nproc_per_node = 3, placement = { actor = [0, 1], learner = [2] }",
+        )
+
+
+@check
 def _staleness_needs_disaggregation(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
     algo = config.algorithm
     if not isinstance(algo, OnPolicyKnobs):

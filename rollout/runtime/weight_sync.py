@@ -80,30 +80,34 @@ class Sent:
             work.wait()
 
 
-def send_message(header: Mapping[str, Any], tensors: Sequence[torch.Tensor], dst: int) -> Sent:
+def send_message(
+    header: Mapping[str, Any], tensors: Sequence[torch.Tensor], dst: int, tag: int = 0
+) -> Sent:
     """Start sending `header` (JSON data) and `tensors` to global rank `dst`, without waiting
-    for it to take them (the sender goes on generating); `recv_message` on `dst` takes them."""
+    for it to take them (the sender goes on generating); `recv_message` on `dst` with the same
+    `tag` takes them. Gloo matches sends to receives by tag; NCCL ignores tags and matches in
+    order, so a receiver takes each sender's messages in the order they were sent either way."""
     moving = [t.detach().reshape(-1).contiguous().to(transport._device) for t in tensors]
     described = {**header, "tensors": [[str(t.dtype), t.numel()] for t in moving]}
     payload = _json_tensor(described)
     size = torch.tensor([payload.numel()], dtype=torch.long, device=transport._device)
     sent = Sent(tensors=[size, payload, *moving])
-    sent.works = [dist.isend(t, dst) for t in sent.tensors]
+    sent.works = [dist.isend(t, dst, tag=tag) for t in sent.tensors]
     return sent
 
 
-def recv_message(src: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """The next message global rank `src` sent this rank: its header, and its tensors (flat, on
-    the CPU) in the order they were sent."""
+def recv_message(src: int, tag: int = 0) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """The next message global rank `src` sent this rank with `tag`: its header, and its
+    tensors (flat, on the CPU) in the order they were sent."""
     size = torch.zeros(1, dtype=torch.long, device=transport._device)
-    dist.recv(size, src)
+    dist.recv(size, src, tag=tag)
     payload = torch.zeros(int(size.item()), dtype=torch.uint8, device=transport._device)
-    dist.recv(payload, src)
+    dist.recv(payload, src, tag=tag)
     header = json.loads(payload.cpu().numpy().tobytes().decode())
     tensors = []
     for dtype, numel in header.pop("tensors"):
         buffer = torch.empty(numel, dtype=_DTYPES[dtype], device=transport._device)
-        dist.recv(buffer, src)
+        dist.recv(buffer, src, tag=tag)
         tensors.append(buffer.cpu())
     return header, tensors
 

@@ -946,6 +946,23 @@ SECTION_CASES: dict[str, list[Case]] = {
             "sft", {"cluster.fsdp_mixed_precision.reduce_dtype": "bfloat16"}, memory, FSDP_MIXED
         )
     ],
+    "cluster.queue_chunk_size": [
+        # One actor (or colocated roles): no queue, so the chunk size is refused.
+        refused("grpo", {"cluster.queue_chunk_size": 1}),
+        # Two actors share each step's prompts (tests/integration/test_run_shared_prompts.py
+        # runs it); the chunk size is the plan's.
+        plan_shows(
+            "grpo",
+            {"cluster.queue_chunk_size": 2},
+            derived("queue_chunk_size"),  # 1 in the base: a quarter of 2 prompts per actor
+            base={
+                "cluster.placement": {"actor": [0, 1], "learner": [2]},
+                "cluster.nproc_per_node": 3,
+                "algorithm.rollout_batch_size": 16,
+                "data.eval": DELETE,
+            },
+        ),
+    ],
     "cluster.threads_per_process": [
         plan_shows("grpo", {"cluster.threads_per_process": 2}, derived("threads_per_process"))
     ],

@@ -2,7 +2,8 @@
 { actor = [0], learner = [1] }).
 
 Actor ranks hold the engine and the rewards: they generate and score a batch per step and send
-each learner its share of it. Learner ranks hold the policy, its optimizer (and reference,
+each learner its share of it. One actor takes every prompt of a step; several share each step's
+prompts through the work queue (rollout.runtime.online.shared_prompts), chunk by chunk. Learner ranks hold the policy, its optimizer (and reference,
 critic): they train on the step's batch as colocated ranks do, and after each step the first
 learner broadcasts the policy to every actor (perf/weight_sync_s). With cluster.sharding = "fsdp"
 the learners shard the policy over their own ranks, and gather it whole on the first learner for
@@ -28,6 +29,7 @@ import torch
 
 from rollout.runtime import transport, weight_sync
 from rollout.runtime.context import WorkerContext
+from rollout.runtime.online import shared_prompts
 from rollout.runtime.online import trainer as colocated
 from rollout.runtime.online.algorithms import ALGORITHMS
 from rollout.runtime.online.batches import RolloutBatch, concat, from_wire, to_wire
@@ -63,7 +65,9 @@ def _act(ctx: WorkerContext, groups: weight_sync.Groups) -> None:
     engine = colocated._build_engine(ctx, loaded, model)
     actor = colocated._build_actor(ctx, engine, colocated._prompt_format(plan.config, loaded), kind)
     index = groups.actors.index(ctx.rank)
-    prompts = Prompts(ctx, index)
+    # One actor takes every prompt; several share each step's through the work queue.
+    queued = len(groups.actors) > 1
+    prompts = shared_prompts.SharedPrompts(ctx) if queued else Prompts(ctx, index)
     shares = _shares(ctx, groups, index)
     staleness = plan.config.algorithm.max_staleness
     total = plan.derived.total_steps
@@ -86,11 +90,16 @@ def _act(ctx: WorkerContext, groups: weight_sync.Groups) -> None:
             if header.get("stop"):
                 return
         wait_s = time.perf_counter() - waited
+        in_flight = [sent for sent in in_flight if not sent.done()]
+        if queued:
+            in_flight += shared_prompts.act_on_step(
+                ctx, groups, actor, step, start, prompts.take(), {"perf/actor_wait_s": wait_s}
+            )
+            continue
         rows = prompts.take()
         seed = derive_seed(plan.seeds.sampling, f"{step}:{index}")
         rollout = actor.rollout(rows, seed=seed)
         metrics = {**rollout.metrics, "perf/actor_wait_s": wait_s}
-        in_flight = [sent for sent in in_flight if not sent.done()]
         for learner, (lo, hi) in zip(groups.learners, shares, strict=True):
             wire, tensors = to_wire(rollout.batch.select(list(range(lo, hi))))
             wire.update(step=step, metrics=metrics)
@@ -110,9 +119,8 @@ def _take_weights(groups: weight_sync.Groups, engine, model: torch.nn.Module) ->
 
 
 class Prompts:
-    """Where an actor's prompts come from: its static share of every step's prompts (actor i of
-    n takes what colocated rank i of n would). One small seam, so a shared work queue can take
-    its place."""
+    """Where a lone actor's prompts come from: every step's prompts, as colocated rank 0 of 1
+    takes them (several actors share theirs through rollout.runtime.online.shared_prompts)."""
 
     def __init__(self, ctx: WorkerContext, index: int):
         self.per_step = ctx.plan.derived.prompts_per_rank
@@ -194,7 +202,10 @@ def _learn(ctx: WorkerContext, writer: BackgroundWriter, groups: weight_sync.Gro
         started = time.perf_counter()
         clock = PhaseClock(ctx.device)
         with clock.phase("receive"):
-            batch, actor_metrics = _receive(groups, step)
+            if len(groups.actors) > 1:
+                batch, actor_metrics = shared_prompts.receive_step(ctx, groups, step, start)
+            else:
+                batch, actor_metrics = _receive(groups, step)
         metrics = dict(actor_metrics)
         # The policy about to train is version step - 1; the batch was sampled by an older one.
         staleness = step - 1 - batch.policy_version
