@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollout.errors import Issue, RolloutError
+from rollout.executor.control import ControlBoard, forwards_records
 from rollout.executor.failure import activity_file, describe_failure, error_file, fault_file
 from rollout.executor.ownership import Heartbeat, claim, directory_lock, lease_seconds
 from rollout.executor.preflight import verify_plan
@@ -93,15 +94,17 @@ def run_plan(plan_path: str | Path, *, progress: Progress | None = None) -> RunR
                 plan_copy = copy_plan(Path(plan_path), run_dir)
                 clear_old_reports(plan, 0)
                 progress.on_start(plan, existing is not None)
+                rdzv = resolve(plan, 0)
                 status, error = supervise(
                     plan,
                     plan_copy,
                     store,
                     progress,
                     owner.token,
-                    resolve(plan, 0),
+                    rdzv,
                     _OwnerWatch(heartbeat, plan.run_id),
                     str(plan_path),
+                    announce=_announcer(plan, rdzv),
                 )
             finally:
                 heartbeat.stop()
@@ -130,12 +133,22 @@ class _OwnerWatch:
         self.heartbeat = heartbeat
         self.run_id = run_id
 
-    def __call__(self, store: RunStore) -> Stop | None:
+    def __call__(self, store: RunStore | None) -> Stop | None:
+        assert store is not None  # node 0 always reads the run store
         if self.heartbeat.lost.is_set():
             return Stop("lost", "another host took the run over: this one missed its lease", True)
         if _cancel_requested(store, self.run_id):
             return Stop("stopped")
         return None
+
+
+def _announcer(plan: Plan, rdzv: Rendezvous) -> Callable[[Stop], None]:
+    """How node 0 tells joining hosts that cannot read the run store (SQLite) that it stops the
+    run (rollout.executor.control); with Postgres they read the run's record instead."""
+    if not forwards_records(plan):
+        return lambda stop: None
+    board = ControlBoard(rdzv)
+    return lambda stop: board.announce(stop.status, stop.error)
 
 
 def _existing_run(store: RunStore, plan: Plan, lock_sha256: str) -> RunRecord | None:
@@ -169,17 +182,21 @@ def copy_plan(plan_path: Path, run_dir: Path) -> Path:
 def supervise(
     plan: Plan,
     plan_copy: Path,
-    store: RunStore,
+    store: RunStore | None,
     progress: Progress,
     token: str,
     rdzv: Rendezvous,
-    watch: Callable[[RunStore], Stop | None],
+    watch: Callable[[RunStore | None], Stop | None],
     plan_arg: str,
+    *,
+    announce: Callable[[Stop], None] = lambda stop: None,
 ) -> tuple[str, str | None]:
     """Run this node's torchrun agent to its end; return this node's status and error.
 
     `watch` is asked twice a second whether to stop early (a cancel, a lost lease, the run
-    ended by node 0); a stop signal to this process stops the workers too. `plan_arg` is the
+    ended by node 0); a stop signal to this process stops the workers too, and `announce` hears
+    of every early stop before the workers do. `store` is None on a joining node that cannot
+    read the run store (SQLite: its progress is drawn on node 0 only). `plan_arg` is the
     plan.lock as the user named it, for messages.
     """
     run_dir = Path(plan.derived.run_dir)
@@ -203,14 +220,17 @@ def supervise(
         while process.poll() is None:
             stop = Stop("stopped") if stops.requested else watch(store)
             if stop is not None:
+                announce(stop)
                 if stop.at_once:
                     _kill_now(process, token)
                 else:
                     _stop(process, token, stops)
                 return stop.status, stop.error
-            progress.on_poll(plan, store)
+            if store is not None:
+                progress.on_poll(plan, store)
             time.sleep(POLL_SECONDS)
-        progress.on_poll(plan, store)
+        if store is not None:
+            progress.on_poll(plan, store)
     finally:
         _restore_signals(previous)
         if process is not None and process.poll() is None:

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
-from rollout.storage.base import CheckpointRecord, LogRow, MetricRecord, RunStore
+from rollout.storage.base import CheckpointRecord, LogLevel, LogRow, MetricRecord, RunStore
 
 log = logging.getLogger("rollout.forwarding")
 
@@ -234,6 +234,13 @@ class Forwarder:
                     if rank not in missing:
                         self._forget(rank)
                 self.keys_left = sum(self._keys_of(rank) for rank in self.ranks)
+                _say(
+                    store,
+                    self.run_id,
+                    "info",
+                    f"forwarded {self.rows} records of rank(s) {_listed(self.ranks)} from their "
+                    f"nodes; {self.keys_left} forwarding keys left in the run's key-value store",
+                )
             finally:
                 store.close()
         except BaseException as error:  # kept for close()
@@ -326,15 +333,19 @@ def drain(
 
 def _warn(store: RunStore, run_id: str, ranks: list[int]) -> None:
     message = (
-        f"records of rank(s) {', '.join(map(str, ranks))} stopped arriving from their node "
-        "before their writers closed (the rank died, or its node was stopped): their last "
-        "lines are in that node's torchrun-node-K.log"
+        f"records of rank(s) {_listed(ranks)} stopped arriving from their node before their "
+        "writers closed (the rank died, or its node was stopped): their last lines are in "
+        "that node's torchrun-node-K.log"
     )
     log.warning("%s", message)
+    _say(store, run_id, "warning", message)
+
+
+def _say(store: RunStore, run_id: str, level: LogLevel, message: str) -> None:
+    """A line of rank 0's own about forwarding, written beside the rows it forwarded."""
     with store.transaction():
-        store.add_logs([(run_id, time.time(), "warning", 0, "forwarder", message)])
+        store.add_logs([(run_id, time.time(), level, 0, "forwarder", message)])
 
 
-def forwarded_ranks(nodes: dict[int, int]) -> list[int]:
-    """The ranks (of `nodes`: rank -> node) whose records are forwarded: those off node 0."""
-    return sorted(rank for rank, node in nodes.items() if node != 0)
+def _listed(ranks: Iterable[int]) -> str:
+    return ", ".join(map(str, ranks))

@@ -79,6 +79,10 @@ def test_two_ranks_rows_arrive_once_in_each_ranks_order_and_no_key_is_left(kv, l
             (7, "/ckpt/2"),
         ]
     assert forwarder.rows == 2 * (60 + 12 + 1)
+    with open_store(location) as store:
+        (said,) = store.logs(RUN, role="forwarder")
+        assert said.message.startswith("forwarded 146 records of rank(s) 1, 2")
+        assert "0 forwarding keys left" in said.message
     assert forwarder.keys_left == 0 and _keys_left(kv, [1, 2]) == []
 
 
@@ -135,7 +139,7 @@ def test_a_writer_waits_for_the_process_group_and_says_so_when_it_never_forms(kv
     writer.close()
     forwarder.close(wait_s=10)
     with open_store(location) as store:
-        assert [r.message for r in store.logs(RUN)] == ["queued before the group formed"]
+        assert [r.message for r in store.logs(RUN, rank=1)] == ["queued before the group formed"]
 
     never = PendingStore()
     orphan = BackgroundWriter(lambda: ForwardingStore(never.wait(), 1))
