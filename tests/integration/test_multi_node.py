@@ -1,6 +1,7 @@
 """Multi-node runs as users start them: one `rollout run --plan plan.lock --node-rank K` per node,
 here two "nodes" on this machine meeting at a loopback endpoint (cluster.rdzv_loopback), gloo,
-the tiny model, recording into Postgres (the store every node reaches).
+the tiny model, recording into Postgres (the store every node reaches) or into node 0's SQLite
+file (node 1's records forwarded to it, node 0's stop announced to node 1 at the rendezvous).
 
 Each test starts Python and torch in several processes: marked slow. The Postgres tests skip,
 saying why, where no server answers (tests/conftest.py postgres_server).
@@ -147,6 +148,41 @@ def test_two_nodes_on_sqlite_forward_node_1s_records_into_node_0s_file(workdir):
     store.close()
     assert not (workdir / "runs" / "rollout.db").exists()  # nobody opened a store elsewhere
     assert_none_left("sqlite-nodes")
+
+
+def test_a_cancel_on_a_sqlite_run_reaches_the_joining_node_through_node_0s_board(workdir):
+    """Node 1 cannot read the run's record: node 0's host tells it, at the rendezvous store,
+    that the run was cancelled, and both nodes stop."""
+    sqlite_path = workdir / "node0" / "rollout.db"
+    store_settings = ("storage.backend=sqlite", f"storage.sqlite_path={sqlite_path}")
+    lock, _ = plan_two_nodes(
+        workdir, "sqlite-cancel", "algorithm.max_steps=50", store=store_settings
+    )
+    joining = start(workdir, "run", "--plan", str(lock), "--node-rank", "1")
+    owner = start(workdir, "run", "--plan", str(lock), "--node-rank", "0")
+    deadline = time.monotonic() + 240
+    run_id = None
+    while time.monotonic() < deadline:  # until a step is recorded
+        assert owner.poll() is None and joining.poll() is None, owner.communicate()
+        if sqlite_path.exists():
+            with open_store(f"sqlite:{sqlite_path}") as store:
+                runs = store.list_runs()
+                if runs and (runs[0].last_step or 0) >= 1:
+                    run_id = runs[0].run_id
+                    break
+        time.sleep(0.5)
+    assert run_id is not None
+    cancel = rollout(workdir, "runs", "cancel", run_id, "--store", f"sqlite:{sqlite_path}")
+    assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+    _, owner_err = owner.communicate(timeout=120)
+    joined_out, joined_err = joining.communicate(timeout=120)
+    assert owner.returncode == 130, owner_err
+    assert joining.returncode == 130, joined_out + joined_err
+    assert "stopped (node 1)" in joined_err
+    store, record = the_run(f"sqlite:{sqlite_path}")
+    assert record.status == "stopped" and (record.last_step or 0) < 50
+    store.close()
+    assert_none_left("sqlite-cancel")
 
 
 def test_a_rendezvous_missing_a_node_fails_within_its_timeout_naming_it(workdir, postgres_location):
