@@ -111,6 +111,12 @@ def _end_joined(outcome: NodeOutcome, plan_path: Path) -> None:
         if outcome.error and outcome.error != record.error and outcome.status == "failed":
             stderr.print(f"[bold red]{node}[/]: {escape(outcome.error)}")
         raise typer.Exit(EXIT_FAILED)
+    if outcome.status == "finished" and outcome.forwarded:
+        stdout.print(
+            f"[green]✓[/] {node}: its workers finished, their records forwarded to node 0's "
+            "SQLite run store; node 0 records the run's end (`rollout runs show` there)"
+        )
+        return
     if outcome.status == "finished":
         stdout.print(
             f"[green]✓[/] {node}: its workers finished; node 0 has not recorded the run's end "

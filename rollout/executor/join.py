@@ -8,6 +8,12 @@ parent-death machinery as node 0 (no process of the run outlives this host), and
 store: a cancel, or the run ended by node 0, stops its workers. Its workers write their logs and
 metrics into the run store as node 0's do. When its torchrun has ended it waits, briefly, for
 node 0's verdict and exits with the run's outcome.
+
+On a SQLite run store (a file on node 0's machine) a joining node never opens it: its workers
+forward their records to node 0 (rollout.runtime.forwarding), and its host learns that node 0
+stopped the run from node 0's board at the rendezvous endpoint (rollout.executor.control). That
+board ends with node 0's agent, so the run's final verdict is then node 0's to show
+(`rollout runs show` there); this node reports how its own workers ended.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rollout.executor.control import ControlBoard, forwards_records
 from rollout.executor.launch import (
     POLL_SECONDS,
     Progress,
@@ -27,6 +34,7 @@ from rollout.executor.launch import (
 from rollout.executor.ownership import directory_lock, lease_seconds
 from rollout.executor.preflight import verify_plan
 from rollout.executor.rendezvous import check_node_rank, resolve
+from rollout.planner.definition import Plan
 from rollout.storage import open_store
 from rollout.storage.base import FINAL_STATUSES, RunRecord, RunStore
 
@@ -47,6 +55,9 @@ class NodeOutcome:
     """The run as node 0 recorded it; None if node 0 never created it."""
     final: bool
     """Whether `record` holds node 0's verdict for this attempt (else node 0 has not ended it)."""
+    forwarded: bool = False
+    """Whether this node forwarded its records to node 0's SQLite store, which it cannot read:
+    node 0's verdict is then not known here."""
 
 
 def join_run(
@@ -59,6 +70,8 @@ def join_run(
     assert node_rank > 0, "node 0 owns the run: rollout.executor.launch.run_plan"
     run_dir = Path(plan.derived.run_dir)
     with directory_lock(run_dir, plan.run_id, lock_name=f"node-{node_rank}.lock") as owner:
+        if forwards_records(plan):
+            return _join_forwarding(plan, Path(plan_path), node_rank, owner.token, progress)
         store = open_store(plan.derived.store)
         try:
             watch = _NodeWatch(plan.run_id)
@@ -82,6 +95,43 @@ def join_run(
             store.close()
 
 
+def _join_forwarding(
+    plan: Plan, plan_path: Path, node_rank: int, token: str, progress: Progress
+) -> NodeOutcome:
+    """A joining node of a SQLite run: no run store here; node 0's board says when it stops."""
+    plan_copy = copy_plan(plan_path, Path(plan.derived.run_dir))
+    clear_old_reports(plan, node_rank)
+    progress.on_start(plan, False)
+    rdzv = resolve(plan, node_rank)
+    status, error = supervise(
+        plan,
+        plan_copy,
+        None,
+        progress,
+        token,
+        rdzv,
+        _BoardWatch(ControlBoard(rdzv)),
+        str(plan_path),
+    )
+    return NodeOutcome(node_rank, status, error, None, False, forwarded=True)
+
+
+class _BoardWatch:
+    """What stops a joining node's workers when it cannot read the run store: node 0's word that
+    it stopped the run (a cancel, a stop signal, a lost lease)."""
+
+    def __init__(self, board: ControlBoard):
+        self.board = board
+
+    def __call__(self, store: RunStore | None) -> Stop | None:
+        said = self.board.read()
+        if said is None:
+            return None
+        if said["status"] == "stopped":  # as a cancel read from the run's record says it
+            return Stop("stopped")
+        return Stop(said["status"], said.get("error") or "node 0 ended the run")
+
+
 class _NodeWatch:
     """What stops a joining node's workers: `rollout runs cancel`, or node 0 ending the run.
 
@@ -92,7 +142,8 @@ class _NodeWatch:
         self.run_id = run_id
         self.seen_running = False
 
-    def __call__(self, store: RunStore) -> Stop | None:
+    def __call__(self, store: RunStore | None) -> Stop | None:
+        assert store is not None  # this watch reads the run store
         record = store.get_run(self.run_id)
         if record is None:
             return None

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollout.errors import Issue, RolloutError
+from rollout.executor.control import ControlBoard, forwards_records
 from rollout.executor.failure import (
     activity_file,
     describe_failure,
@@ -105,15 +106,17 @@ def run_plan(plan_path: str | Path, *, progress: Progress | None = None) -> RunR
                 plan_copy = copy_plan(Path(plan_path), run_dir)
                 clear_old_reports(plan, 0)
                 progress.on_start(plan, existing is not None)
+                rdzv = resolve(plan, 0)
                 status, error = supervise(
                     plan,
                     plan_copy,
                     store,
                     progress,
                     owner.token,
-                    resolve(plan, 0),
+                    rdzv,
                     _OwnerWatch(heartbeat, plan.run_id),
                     str(plan_path),
+                    announce=_announcer(plan, rdzv),
                 )
             finally:
                 heartbeat.stop()
@@ -142,12 +145,22 @@ class _OwnerWatch:
         self.heartbeat = heartbeat
         self.run_id = run_id
 
-    def __call__(self, store: RunStore) -> Stop | None:
+    def __call__(self, store: RunStore | None) -> Stop | None:
+        assert store is not None  # node 0 always reads the run store
         if self.heartbeat.lost.is_set():
             return Stop("lost", "another host took the run over: this one missed its lease", True)
         if _cancel_requested(store, self.run_id):
             return Stop("stopped")
         return None
+
+
+def _announcer(plan: Plan, rdzv: Rendezvous) -> Callable[[Stop], None]:
+    """How node 0 tells joining hosts that cannot read the run store (SQLite) that it stops the
+    run (rollout.executor.control); with Postgres they read the run's record instead."""
+    if not forwards_records(plan):
+        return lambda stop: None
+    board = ControlBoard(rdzv)
+    return lambda stop: board.announce(stop.status, stop.error)
 
 
 def _existing_run(store: RunStore, plan: Plan, lock_sha256: str) -> RunRecord | None:
@@ -181,19 +194,23 @@ def copy_plan(plan_path: Path, run_dir: Path) -> Path:
 def supervise(
     plan: Plan,
     plan_copy: Path,
-    store: RunStore,
+    store: RunStore | None,
     progress: Progress,
     token: str,
     rdzv: Rendezvous,
-    watch: Callable[[RunStore], Stop | None],
+    watch: Callable[[RunStore | None], Stop | None],
     plan_arg: str,
+    *,
+    announce: Callable[[Stop], None] = lambda stop: None,
 ) -> tuple[str, str | None]:
     """Run this node's torchrun agent to its end, starting it again after an actor rank dies
     while cluster.max_restarts allows (rollout.executor.restarts); return this node's status
     and error.
 
     `watch` is asked twice a second whether to stop early (a cancel, a lost lease, the run
-    ended by node 0); a stop signal to this process stops the workers too. `plan_arg` is the
+    ended by node 0); a stop signal to this process stops the workers too, and `announce` hears
+    of every early stop before the workers do. `store` is None on a joining node that cannot
+    read the run store (SQLite: its progress is drawn on node 0 only). `plan_arg` is the
     plan.lock as the user named it, for messages.
     """
     run_dir = Path(plan.derived.run_dir)
@@ -208,7 +225,9 @@ def supervise(
     try:
         while True:
             start = output.stat().st_size if output.exists() else 0  # this attempt's part
-            ended = _attempt(plan, plan_copy, store, progress, token, rdzv, watch, stops, output)
+            ended = _attempt(
+                plan, plan_copy, store, progress, token, rdzv, watch, stops, output, announce
+            )
             if isinstance(ended, Stop):
                 return ended.status, ended.error
             if ended == 0:
@@ -241,13 +260,14 @@ def supervise(
 def _attempt(
     plan: Plan,
     plan_copy: Path,
-    store: RunStore,
+    store: RunStore | None,
     progress: Progress,
     token: str,
     rdzv: Rendezvous,
-    watch: Callable[[RunStore], Stop | None],
+    watch: Callable[[RunStore | None], Stop | None],
     stops: _StopRequests,
     output: Path,
+    announce: Callable[[Stop], None],
 ) -> Stop | int:
     """One start of torchrun's agent, to its end: its exit code, or why the host stopped it."""
     process = None
@@ -263,14 +283,17 @@ def _attempt(
         while process.poll() is None:
             stop = Stop("stopped") if stops.requested else watch(store)
             if stop is not None:
+                announce(stop)
                 if stop.at_once:
                     _kill_now(process, token)
                 else:
                     _stop(process, token, stops)
                 return stop
-            progress.on_poll(plan, store)
+            if store is not None:
+                progress.on_poll(plan, store)
             time.sleep(POLL_SECONDS)
-        progress.on_poll(plan, store)
+        if store is not None:
+            progress.on_poll(plan, store)
         return process.returncode
     finally:
         if process is not None and process.poll() is None:

@@ -46,10 +46,12 @@ class Restarts:
     causes: list[str] = field(default_factory=list)
 
     @classmethod
-    def of(cls, plan: Plan, node_rank: int, store: RunStore) -> Restarts:
+    def of(cls, plan: Plan, node_rank: int, store: RunStore | None) -> Restarts:
         """Node 0's budget is cluster.max_restarts; a joining node never restarts (its agent
         ends with its workers, and the plan refuses restarts on several nodes)."""
-        latest = store.latest_metrics(plan.run_id).get(RESTARTS_METRIC) if node_rank == 0 else None
+        latest = None
+        if node_rank == 0 and store is not None:
+            latest = store.latest_metrics(plan.run_id).get(RESTARTS_METRIC)
         return cls(
             plan=plan,
             budget=plan.derived.max_restarts if node_rank == 0 else 0,
@@ -84,7 +86,9 @@ class Restarts:
             )
         return line
 
-    def failure(self, death: Death | None, cause: str, plan_arg: str, store: RunStore) -> str:
+    def failure(
+        self, death: Death | None, cause: str, plan_arg: str, store: RunStore | None
+    ) -> str:
         """The run's error once it is not restarted: the cause, with why it was not restarted
         and how to go on."""
         if death is None:
@@ -110,6 +114,10 @@ class Restarts:
         return f"{who}: {why}; {resume}\n{cause}"
 
 
-def _newest(store: RunStore, restarts: Restarts) -> str:
+def _newest(store: RunStore | None, restarts: Restarts) -> str:
+    """The checkpoint a re-run resumes from, as the run store knows it (a joining node on a
+    SQLite run cannot read it: node 0 keeps it)."""
+    if store is None:
+        return "its newest checkpoint"
     checkpoints = store.checkpoints(restarts.plan.run_id)
     return f"its checkpoint of step {checkpoints[-1].step}" if checkpoints else "its first step"

@@ -49,22 +49,6 @@ def _store_backend(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
 
 
 @check
-def _store_every_node_reaches(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
-    # Workers on every node write their logs and metrics into the run store, and a joining node
-    # reads the run's status there: a SQLite file lives on one machine. (Forwarding the other
-    # nodes' records to node 0's SQLite store would lift this; it is not built yet.)
-    if config.cluster.nnodes > 1 and config.storage.backend == "sqlite":
-        yield Issue(
-            "storage.backend",
-            f"a run on {config.cluster.nnodes} nodes needs a run store every node reaches, and "
-            "SQLite is a file on one machine",
-            value="sqlite",
-            hint='use backend = "postgres" with postgres_dsn = "env:ROLLOUT_PG_DSN", the DSN '
-            "naming a server every node can connect to (see docs/distributed.md)",
-        )
-
-
-@check
 def _placement(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
     """Colocated (every role on every process) and disaggregated (actors on some processes,
     learners on the others) both run; a placement that overlaps them partly does not."""

@@ -54,17 +54,21 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: context.stop.set())
     signal.signal(signal.SIGINT, lambda *_: context.stop.set())
 
+    from rollout.runtime.records import Records
     from rollout.runtime.trackers import metric_sinks
-    from rollout.storage import open_store
     from rollout.storage.writer import BackgroundWriter, StoreLogHandler
 
     # Rank 0's trackers: the writer feeds them off the hot path and closes them when it closes.
     sinks = metric_sinks(plan, context.rank)
-    writer = BackgroundWriter(lambda: open_store(plan.derived.store), sinks=sinks)
+    # Into the run store, or (SQLite, a rank off node 0) forwarded to node 0 once the group forms.
+    records = Records(plan, context.rank)
+    writer = BackgroundWriter(records.open_store(), sinks=sinks)
     role = "+".join(context.roles)
     _configure_logging(StoreLogHandler(writer, plan.run_id, context.rank, role), plan)
+    failed = True
     try:
         _setup_torch(context)
+        records.connect()
         if plan.config.algorithm.kind in OFFLINE_KINDS:
             from rollout.runtime.offline.loop import train
         else:
@@ -72,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
         train(context, writer)
         context.uploads.wait()  # the last checkpoint is committed before the run ends
+        failed = False
         return 0
     except BaseException as error:  # the traceback must reach the user, whatever it was
         # An upload in flight still ends (committed, or its failure logged) before the worker
@@ -84,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         log.error("rank %d failed: %s", context.rank, text)
         return 1
     finally:
+        records.give_up_waiting()
         _close_quietly(writer)
+        records.close(failed=failed)  # rank 0: the other nodes' last records, before the group goes
         _teardown_torch()
         _close_fault_file(fault)
 

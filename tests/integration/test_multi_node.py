@@ -1,6 +1,7 @@
 """Multi-node runs as users start them: one `rollout run --plan plan.lock --node-rank K` per node,
 here two "nodes" on this machine meeting at a loopback endpoint (cluster.rdzv_loopback), gloo,
-the tiny model, recording into Postgres (the store every node reaches).
+the tiny model, recording into Postgres (the store every node reaches) or into node 0's SQLite
+file (node 1's records forwarded to it, node 0's stop announced to node 1 at the rendezvous).
 
 Each test starts Python and torch in several processes: marked slow. The Postgres tests skip,
 saying why, where no server answers (tests/conftest.py postgres_server).
@@ -40,15 +41,19 @@ def stall(prompts, completions, **_):
 """
 
 
-def plan_two_nodes(workdir: Path, name: str, *settings: str) -> tuple[Path, int]:
+POSTGRES = ("storage.backend=postgres", f"storage.postgres_dsn=env:{STORE_DSN_ENV}")
+
+
+def plan_two_nodes(
+    workdir: Path, name: str, *settings: str, store: tuple[str, ...] = POSTGRES
+) -> tuple[Path, int]:
     """A plan.lock of grpo-tiny on two nodes of one process each, meeting on 127.0.0.1."""
     port = free_port()
     changes = [
         "cluster.nnodes=2",
         f"cluster.rdzv_endpoint=127.0.0.1:{port}",
         "cluster.rdzv_loopback=true",
-        "storage.backend=postgres",
-        f"storage.postgres_dsn=env:{STORE_DSN_ENV}",
+        *store,
         f"run.name={name}",
         "algorithm.max_steps=2",
         "data.eval=null",
@@ -110,6 +115,74 @@ def test_two_nodes_train_one_run_that_node_0_owns(workdir, postgres_location):
     assert (Path(record.run_dir) / "torchrun-node-1.log").exists()
     store.close()
     assert_none_left("two-nodes")
+
+
+def test_two_nodes_on_sqlite_forward_node_1s_records_into_node_0s_file(workdir):
+    """Node 1 never opens the SQLite file: its worker's rows travel through the rendezvous's
+    store, and rank 0 writes them into node 0's file, once each, before the run ends."""
+    sqlite_path = workdir / "node0" / "rollout.db"
+    lock, _ = plan_two_nodes(
+        workdir,
+        "sqlite-nodes",
+        store=("storage.backend=sqlite", f"storage.sqlite_path={sqlite_path}"),
+    )
+    joining = start(workdir, "run", "--plan", str(lock), "--node-rank", "1")
+    owner = rollout(workdir, "run", "--plan", str(lock), "--node-rank", "0", timeout=400)
+    joined_out, joined_err = joining.communicate(timeout=120)
+    assert owner.returncode == 0, owner.stdout + owner.stderr
+    assert joining.returncode == 0, joined_out + joined_err
+    assert "records forwarded to node 0" in " ".join(joined_out.split())
+
+    store, record = the_run(f"sqlite:{sqlite_path}")  # one run record, node 0's
+    assert record.status == "finished" and record.last_step == 2
+    rows = store.metrics(record.run_id)
+    assert len(rows) == len({(m.name, m.step) for m in rows}) > 0  # no metric row twice
+    assert [m.step for m in store.metrics(record.run_id, ["reward/mean"])] == [1, 2]
+    logs = store.logs(record.run_id, limit=5000)
+    assert {row.rank for row in logs if row.role != "forwarder"} == {0, 1}
+    node_1 = [row.message for row in logs if row.rank == 1]
+    assert len(node_1) == len(set(node_1)) > 0  # rank 1's lines, none of them twice
+    (said,) = [row.message for row in logs if row.role == "forwarder"]
+    assert "of rank(s) 1 from their nodes; 0 forwarding keys left" in said, said
+    assert int(said.split()[1]) >= len(node_1)  # rank 1's lines came the forwarded way
+    store.close()
+    assert not (workdir / "runs" / "rollout.db").exists()  # nobody opened a store elsewhere
+    assert_none_left("sqlite-nodes")
+
+
+def test_a_cancel_on_a_sqlite_run_reaches_the_joining_node_through_node_0s_board(workdir):
+    """Node 1 cannot read the run's record: node 0's host tells it, at the rendezvous store,
+    that the run was cancelled, and both nodes stop."""
+    sqlite_path = workdir / "node0" / "rollout.db"
+    store_settings = ("storage.backend=sqlite", f"storage.sqlite_path={sqlite_path}")
+    lock, _ = plan_two_nodes(
+        workdir, "sqlite-cancel", "algorithm.max_steps=50", store=store_settings
+    )
+    joining = start(workdir, "run", "--plan", str(lock), "--node-rank", "1")
+    owner = start(workdir, "run", "--plan", str(lock), "--node-rank", "0")
+    deadline = time.monotonic() + 240
+    run_id = None
+    while time.monotonic() < deadline:  # until a step is recorded
+        assert owner.poll() is None and joining.poll() is None, owner.communicate()
+        if sqlite_path.exists():
+            with open_store(f"sqlite:{sqlite_path}") as store:
+                runs = store.list_runs()
+                if runs and (runs[0].last_step or 0) >= 1:
+                    run_id = runs[0].run_id
+                    break
+        time.sleep(0.5)
+    assert run_id is not None
+    cancel = rollout(workdir, "runs", "cancel", run_id, "--store", f"sqlite:{sqlite_path}")
+    assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+    _, owner_err = owner.communicate(timeout=120)
+    joined_out, joined_err = joining.communicate(timeout=120)
+    assert owner.returncode == 130, owner_err
+    assert joining.returncode == 130, joined_out + joined_err
+    assert "stopped (node 1)" in joined_err
+    store, record = the_run(f"sqlite:{sqlite_path}")
+    assert record.status == "stopped" and (record.last_step or 0) < 50
+    store.close()
+    assert_none_left("sqlite-cancel")
 
 
 def test_a_rendezvous_missing_a_node_fails_within_its_timeout_naming_it(workdir, postgres_location):

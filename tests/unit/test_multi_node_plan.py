@@ -1,5 +1,5 @@
-"""Several nodes, before anything runs: where they meet (config rules), which store they share (the
-plan's refusal of SQLite), which node a command is (--node-rank), and what the run says when they
+"""Several nodes, before anything runs: where they meet (config rules), which store they share (node
+0's SQLite file, the others forwarding to it, or Postgres), which node a command is (--node-rank), and what the run says when they
 do not meet or a collective times out (from torchrun's output and the workers' files)."""
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ from typer.testing import CliRunner
 
 from rollout.cli.app import app
 from rollout.config import validate_config
-from rollout.errors import ConfigError, PlanError
+from rollout.errors import ConfigError
+from rollout.executor.control import forwards_records
 from rollout.executor.failure import activity_file, describe_failure, error_file
 from rollout.executor.rendezvous import Rendezvous, rendezvous_failure, resolve
 from rollout.planner.builder import build_plan
 from rollout.planner.definition import HardwareFacts
 from rollout.planner.lockfile import write_plan
+from rollout.runtime.records import Records
 from tests.conftest import STORE_DSN_ENV
 
 GIB = 1024**3
@@ -70,15 +72,18 @@ def test_an_endpoint_is_host_and_port(base_config, endpoint, says):
     assert says in issues["cluster.rdzv_endpoint"]
 
 
-def test_several_nodes_on_a_sqlite_store_are_refused_with_the_postgres_hint(
-    config_file, base_config
+def test_several_nodes_on_a_sqlite_store_plan_and_forward_to_node_0(
+    config_file, base_config, tmp_path
 ):
-    config = _with_cluster(base_config, nnodes=2, rdzv_endpoint="node0.example:29500")
-    with pytest.raises(PlanError) as caught:
-        build_plan(config_file(config), hardware=LAPTOP)
-    (issue,) = [i for i in caught.value.issues if i.path == "storage.backend"]
-    assert "SQLite is a file on one machine" in issue.message
-    assert "postgres" in (issue.hint or "")
+    """The SQLite file is node 0's: the plan builds, and the ranks off node 0 forward."""
+    plan, _ = _plan_lock(
+        config_file, base_config, tmp_path, nnodes=2, rdzv_endpoint="node0.example:29500"
+    )
+    assert plan.derived.store.startswith("sqlite:/")  # resolved where it was planned
+    assert forwards_records(plan)
+    assert Records(plan, 1).forwarded == [1] and Records(plan, 0).forwarded == [1]
+    one_node, _ = _plan_lock(config_file, base_config, tmp_path / "one")
+    assert not forwards_records(one_node) and Records(one_node, 0).forwarded == []
 
 
 def _plan_lock(config_file, base_config, tmp_path, **cluster):

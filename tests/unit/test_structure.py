@@ -146,8 +146,14 @@ def test_algorithms_engines_harness_never_see_config_objects():
 def test_only_the_transport_talks_to_other_ranks():
     """Every collective goes through rollout/runtime/transport.py (among ranks of one role) or
     weight_sync.py beside it (between actors and learners), the seams between ranks
-    (torch.distributed.run, which launches the ranks, talks to none of them)."""
-    seams = {PACKAGE / "runtime" / "transport.py", PACKAGE / "runtime" / "weight_sync.py"}
+    (torch.distributed.run, which launches the ranks, talks to none of them). The hosts' one
+    seam, rollout/executor/control.py, talks to no rank: node 0's host to the other hosts, through
+    a key of the rendezvous store, on SQLite runs whose joining hosts cannot read the run store."""
+    seams = {
+        PACKAGE / "runtime" / "transport.py",
+        PACKAGE / "runtime" / "weight_sync.py",
+        PACKAGE / "executor" / "control.py",
+    }
     talking = [
         str(path.relative_to(REPO))
         for path in PACKAGE.rglob("*.py")
