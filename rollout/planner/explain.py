@@ -170,16 +170,32 @@ def _graph(plan: Plan) -> Table:
     )
     table.add_column("role", style="bold")
     table.add_column("ranks")
+    table.add_column("devices")
     table.add_column("what it does")
     for role in graph.roles:
-        table.add_row(role.role, ",".join(map(str, role.ranks)), role.what)
+        table.add_row(
+            role.role, ",".join(map(str, role.ranks)), _devices(plan, role.ranks), role.what
+        )
     for edge in graph.edges:
         table.add_row(
             Text(f"{edge.source} -> {edge.target}", style="dim"),
             Text(edge.transport.replace("_", " "), style="dim"),
+            "",
             Text(edge.kind.replace("_", " "), style="dim"),
         )
     return table
+
+
+def _devices(plan: Plan, ranks: list[int]) -> str:
+    """Where a role's ranks run: their devices, each named with its node on several nodes
+    (node 1 cuda:0); one CPU for every rank on CPU."""
+    graph = plan.graph
+    if graph.device == "cpu":
+        return "cpu"
+    processes = [graph.processes[rank] for rank in ranks]
+    if graph.nnodes == 1:
+        return ",".join(p.device for p in processes)
+    return ",".join(f"node {p.node} {p.device}" for p in processes)
 
 
 def _memory(plan: Plan) -> Table | Group:

@@ -268,6 +268,28 @@ def test_explain_shows_the_engine_batch_kv_cache_and_memory(config_file, base_co
         assert line in text
 
 
+def test_explain_draws_each_roles_ranks_and_devices(config_file, base_config):
+    """A disaggregated plan on two GPUs: the actor on cuda:0, the learner on cuda:1, and the
+    edges between them through torch.distributed."""
+    base_config["cluster"] = {
+        "device": "cuda",
+        "nproc_per_node": 2,
+        "placement": {"actor": [0], "learner": [1]},
+    }
+    base_config.get("data", {}).pop("eval", None)
+    console = Console(width=200, record=True)
+    explain(plan_of(config_file, base_config, TWO_H100), console)
+    rows = {line.split("│")[1].strip(): line for line in console.export_text().splitlines()
+            if line.count("│") >= 4}  # fmt: skip
+    assert "│ 0 " in rows["actor"] and "cuda:0" in rows["actor"]
+    assert "│ 1 " in rows["learner"] and "cuda:1" in rows["learner"]
+    assert "cuda:0" not in rows["learner"]
+    assert (
+        "torch distributed" in rows["learner -> actor"]
+        and "weight sync" in rows["learner -> actor"]
+    )
+
+
 def test_vllm_plan_fails_clearly_without_cuda_or_the_package(config_file, base_config):
     import importlib.util
 
