@@ -12,7 +12,8 @@ numeric_match, one optimizer update per step), with the same seed:
                 learner trains)
 
 and a generation-heavy job (a small random model, --heavy-model, that always writes
---heavy-new-tokens tokens; 8 prompts x 4 completions, k = 1), with 1 actor + 1 learner against
+--heavy-new-tokens tokens; 4 prompts x 2 completions, k = 1: decoding a small batch is
+bound by per-token overheads, not by arithmetic), with 1 actor + 1 learner against
 2 actors + 1 learner (1 thread each: three processes on 2 cores share them).
 
 Everything is read from the run store: perf/step_s, perf/completions_per_s, perf/tokens_per_s,
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -98,7 +100,7 @@ def variants(job: Job, heavy: Job | None) -> list[Variant]:
 
 
 def heavy_job(job: Job, args: argparse.Namespace) -> Job:
-    """Long completions on a small model: generation dominates the step."""
+    """Long completions of a small batch on a small model: generation dominates the step."""
     model = resolve_model(args.heavy_model, job.device)
     return replace(
         job,
@@ -106,8 +108,8 @@ def heavy_job(job: Job, args: argparse.Namespace) -> Job:
         rollout_model={**model.rollout_model, "dtype": job.dtype},
         reward=RANDOM_REWARD if model.random else "numeric_match",
         max_new_tokens=args.heavy_new_tokens,
-        completions_per_step=32,
-        num_generations=4,
+        completions_per_step=8,
+        num_generations=2,
     )
 
 
@@ -244,8 +246,13 @@ def main(argv: list[str] | None = None) -> None:
     chosen = [v for v in variants(job, heavy) if not wanted or v.name in wanted]
     results, labels = {}, {}
     for variant in chosen:
-        with tempfile.TemporaryDirectory(prefix="rollout-bench-dist-") as tmp:
-            results[variant.name] = run_variant(variant, Path(tmp))
+        workdir = Path(tempfile.mkdtemp(prefix="rollout-bench-dist-"))
+        try:
+            results[variant.name] = run_variant(variant, workdir)
+        except SystemExit as failed:  # run_measured's report of a failed run: keep its logs
+            print(f"{variant.name} failed (logs kept in {workdir}): {failed}", flush=True)
+            continue
+        shutil.rmtree(workdir)
         j = variant.job
         labels[variant.name] = (
             f"{Path(j.model_dir).name[:18]}, {j.completions_per_step} x <={j.max_new_tokens} tok"
