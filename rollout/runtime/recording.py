@@ -33,9 +33,14 @@ def record_metrics(
     # Reduced on every step, recorded or not: rank 0 alone also records the step a stop will
     # checkpoint, and a collective that only some ranks enter would hang.
     if ctx.learners > 1:
-        names = sorted(values)
-        totals = transport.sum_metrics([values[n] for n in names])
-        values = {name: total / ctx.learners for name, total in zip(names, totals, strict=True)}
+        # Ranks may hold different names (one whose every row was skipped has no loss
+        # statistics), and a sum of unequal lengths aborts gloo: agree on the names first, and
+        # average each over the ranks that have it.
+        names = sorted({name for held in transport.gather_state(sorted(values)) for name in held})
+        held = [float(name in values) for name in names]
+        totals = transport.sum_metrics([values.get(name, 0.0) for name in names] + held)
+        sums, counts = totals[: len(names)], totals[len(names) :]
+        values = {name: s / c for name, s, c in zip(names, sums, counts, strict=True)}
     # A stop already asked for checkpoints this step next: its metrics belong with it.
     if ctx.is_main and (records_step(ctx.plan, step) or ctx.stop.is_set()):
         writer.write_metrics(ctx.plan.run_id, step, values)

@@ -49,10 +49,11 @@ def _series(store, run_id: str, name: str) -> list[float]:
     return [m.value for m in sorted(store.metrics(run_id, [name]), key=lambda m: m.step)]
 
 
-def test_one_actor_one_learner_matches_the_colocated_run(workdir):
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_one_actor_one_learner_matches_the_colocated_run(workdir, kind):
     """k = 0: the same seeds, prompts and weights as one colocated process, so the same numbers."""
-    _run(workdir, "algorithm.max_steps=3")
-    _run(workdir, "algorithm.max_steps=3", *SPLIT)
+    _run(workdir, "algorithm.max_steps=3", f"algorithm.kind={kind}")
+    _run(workdir, "algorithm.max_steps=3", f"algorithm.kind={kind}", *SPLIT)
     store, (colocated, split) = _runs(workdir)
     for record in (colocated, split):
         assert record.status == "finished" and record.last_step == 3
@@ -127,3 +128,28 @@ def test_a_stopped_split_run_resumes_from_the_learners_checkpoint(workdir):
     assert [c.step for c in store.checkpoints(record.run_id)] == [2, 4]
     logs = rollout(workdir, "logs", "tail", record.run_id, "--rank", "0")
     assert "actor 0 generating steps 3..4" in logs.stdout, logs.stdout
+
+
+# Each online kind 1 + 1, on its own tiny example: the learner's extra modules (PPO's critic, the
+# reference) stay on the learner; only the policy's tensors go to the actor.
+KINDS = {
+    "rloo": ("examples/grpo-tiny.toml", ("algorithm.kind=rloo", "data.eval=null")),
+    "reinforce_pp": ("examples/reinforce-pp-tiny.toml", ()),
+    "ppo-value_head": ("examples/ppo-tiny.toml", ("algorithm.critic=value_head",)),
+    "ppo-separate": ("examples/ppo-tiny.toml", ("algorithm.critic=separate",)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_each_online_kind_trains_split_to_the_end(workdir, kind):
+    config, settings = KINDS[kind]
+    args = ["run", "--config", config, "--set", "cluster.threads_per_process=1"]
+    for setting in ("algorithm.max_steps=3", *settings, *SPLIT):
+        args += ["--set", setting]
+    result = rollout(workdir, *args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    store, (record,) = _runs(workdir)
+    assert record.status == "finished" and record.last_step == 3
+    losses = _series(store, record.run_id, "train/loss")
+    assert len(losses) == 3 and all(math.isfinite(v) for v in losses), losses
+    assert all(s > 0 for s in _series(store, record.run_id, "perf/weight_sync_s"))

@@ -38,6 +38,14 @@ class ThreadGroup:
         self.barrier.wait()  # every rank has read every tensor before any is replaced
         tensor.copy_(total)
 
+    def all_gather(self, parts: list[torch.Tensor], tensor: torch.Tensor, group=None) -> None:
+        """Every thread's tensor, in the order of the threads' idents (the same on each)."""
+        self.tensors[threading.get_ident()] = tensor.clone()
+        self.barrier.wait()
+        for part, (_, value) in zip(parts, sorted(self.tensors.items()), strict=True):
+            part.copy_(value)
+        self.barrier.wait()
+
 
 def plan(
     *,
@@ -66,9 +74,16 @@ def context(rank: int, world: int, **plan_options) -> SimpleNamespace:
     )
 
 
+def patch_collectives(monkeypatch, world: int) -> None:
+    group = ThreadGroup(world)
+    monkeypatch.setattr(recording.transport.dist, "all_reduce", group.all_reduce)
+    monkeypatch.setattr(recording.transport.dist, "all_gather", group.all_gather)
+    monkeypatch.setattr(recording.transport.dist, "get_world_size", lambda group=None: world)
+
+
 def on_ranks(monkeypatch, calls) -> Writer:
     """Run calls[r](ctx of rank r, writer) on every rank at once; what rank 0 wrote."""
-    monkeypatch.setattr(recording.transport.dist, "all_reduce", ThreadGroup(len(calls)).all_reduce)
+    patch_collectives(monkeypatch, len(calls))
     writer = Writer()
     with ThreadPoolExecutor(len(calls)) as pool:
         futures = [
@@ -112,6 +127,19 @@ def test_step_metrics_are_averaged_over_ranks(monkeypatch):
         ],
     )
     assert writer.written == [(1, {"train/loss": 2.0})]
+
+
+def test_a_metric_some_ranks_lack_is_averaged_over_the_ranks_that_have_it(monkeypatch):
+    # Rank 1 skipped every row (all advantages 0): it has a loss but no clip fraction. Before,
+    # the two ranks summed vectors of different lengths, which aborted gloo's all_reduce.
+    writer = on_ranks(
+        monkeypatch,
+        [
+            lambda ctx, w: record_metrics(ctx, w, 6, {"train/loss": 1.0, "train/clip": 0.5}),
+            lambda ctx, w: record_metrics(ctx, w, 6, {"train/loss": 3.0}),
+        ],
+    )
+    assert writer.written == [(6, {"train/clip": 0.5, "train/loss": 2.0})]
 
 
 def test_one_rank_needs_no_collective():
@@ -186,7 +214,7 @@ def test_skipped_steps_still_reduce_on_every_rank(monkeypatch):
     def rank1(ctx, w):
         record_metrics(ctx, w, 3, {"train/loss": 3.0})
 
-    monkeypatch.setattr(recording.transport.dist, "all_reduce", ThreadGroup(2).all_reduce)
+    patch_collectives(monkeypatch, 2)
     writer = Writer()
     with ThreadPoolExecutor(2) as pool:
         futures = [
