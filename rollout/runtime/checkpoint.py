@@ -10,6 +10,9 @@
         trainer.json            format version, step, and the trainer's own JSON-able state
         <extra>/                a module trained beside the policy (PPO's critic): its
                                 weights.safetensors, and its optimizer and scheduler files
+        <loop file>/            a directory the training loop writes itself (a disaggregated
+                                learner's batches sampled ahead: buffer/,
+                                rollout.runtime.online.pending)
         manifest.json           written last, on every backend: every other file's size and
                                 sha256, the step, the run id and the plan's fingerprint
                                 (rollout.runtime.manifest). It commits the checkpoint: one
@@ -89,6 +92,12 @@ if TYPE_CHECKING:
 
 FORMAT_VERSION = 1
 ADAPTER_DIR = "adapter"
+
+LoopFiles = Mapping[str, Callable[[Path], None]]
+"""Directories of a checkpoint that the training loop writes and reads itself, by name: when
+saving, each function is given the fresh staged directory to write into; when loading, the
+directory in the checked local copy (which may not exist: an older checkpoint, or a save that
+had nothing to put there)."""
 
 _TEMP_DIR = re.compile(r"\.step-\d+\.tmp-.+")
 # Tags that let JSON carry what it has no type for: a tensor stored in the .safetensors file
@@ -247,6 +256,7 @@ def stage_checkpoint(
     plan: str = "",
     buffers: CopyBuffers | None = None,
     full_state: FullState | None = None,
+    loop_files: LoopFiles | None = None,
 ) -> Staged:
     """Write a checkpoint of `step` into a local staging directory: everything the training
     state is read for, so the model may change as soon as this returns.
@@ -258,7 +268,8 @@ def stage_checkpoint(
     removes what was staged and leaves every committed checkpoint as it was. Under an
     object-store root the large tensors are copied into `buffers` (a fresh set when None). A
     sharded model's weights and optimizer state come gathered in `full_state`
-    (rollout.runtime.sharding).
+    (rollout.runtime.sharding). Each of `loop_files` writes its own directory (small files,
+    written now under any root).
     """
     if step < 0:
         raise ValueError(f"need step >= 0, got step={step}")
@@ -284,6 +295,9 @@ def stage_checkpoint(
             deferred,
             full_state,
         )
+        for name, write in (loop_files or {}).items():
+            (staged.directory / name).mkdir()
+            write(staged.directory / name)
         (staged.directory / "trainer.json").write_text(trainer_json, encoding="utf-8")
     except BaseException as error:
         shutil.rmtree(staged.directory, ignore_errors=True)
@@ -438,11 +452,13 @@ def load_checkpoint(
     extras: Mapping[str, Extra] | None = None,
     adapters: Adapters | None = None,
     full_state: FullStateLoader | None = None,
+    loop_files: LoopFiles | None = None,
 ) -> dict[str, Any]:
     """Restore weights (in place, strictly; with LoRA `adapters`, the adapter's), optimizer,
     scheduler and RNG states from a checkpoint; return the trainer state it was saved with. Pass
     None for an optimizer or scheduler that should keep its fresh state. A sharded model's
     weights and optimizer state go through `full_state` (collective: every rank calls this).
+    Each of `loop_files` reads its directory, last.
 
     Every file is checked against the manifest first: a checkpoint that was never committed or
     is damaged raises CheckpointError before anything is restored."""
@@ -455,6 +471,7 @@ def load_checkpoint(
             extras=extras,
             adapters=adapters,
             full_state=full_state,
+            loop_files=loop_files,
         )
 
 
@@ -506,6 +523,7 @@ def _load_verified(
     extras: Mapping[str, Extra] | None,
     adapters: Adapters | None,
     full_state: FullStateLoader | None = None,
+    loop_files: LoopFiles | None = None,
 ) -> dict[str, Any]:
     trainer = _read_json(path / "trainer.json")
     if trainer["format_version"] != FORMAT_VERSION:
@@ -533,6 +551,8 @@ def _load_verified(
     for name, extra in (extras or {}).items():
         _load_extra(path / name, extra, with_optimizer=optimizer is not None)
     _load_rng(path)
+    for name, read in (loop_files or {}).items():
+        read(path / name)
     return trainer["trainer_state"]
 
 

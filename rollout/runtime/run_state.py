@@ -27,6 +27,7 @@ from rollout.runtime.checkpoint import (
     CopyBuffers,
     Extra,
     FullState,
+    LoopFiles,
     Staged,
     commit_checkpoint,
     load_checkpoint,
@@ -78,9 +79,11 @@ class RunState:
         writer: BackgroundWriter,
         step: int,
         trainer_state: Mapping[str, Any] | None = None,
+        loop_files: LoopFiles | None = None,
     ) -> None:
         """Checkpoint `step` with the loop's own `trainer_state` beside the cursors and RNG
-        states; collective (every rank calls it).
+        states, and the directories of `loop_files` (written by the first learner alone);
+        collective (every rank calls it).
 
         Under an object-store root the checkpoint is committed by an upload thread
         (ctx.uploads) while the next steps train; the run store's record of it is written when
@@ -97,7 +100,7 @@ class RunState:
         if ctx.is_main and step > 0:
             started = time.perf_counter()
             ctx.uploads.wait()  # the previous upload is committed (or its failure raised) first
-            staged = self._stage(ctx, step, cursors, rng, trainer_state, full)
+            staged = self._stage(ctx, step, cursors, rng, trainer_state, full, loop_files)
             commit = functools.partial(self._commit, ctx, writer, staged)
             if is_url(self.root):
                 ctx.uploads.start(f"upload of checkpoint step {step}", commit)
@@ -116,6 +119,7 @@ class RunState:
         rng: dict[str, Any],
         trainer_state: Mapping[str, Any] | None,
         full: FullState | None,
+        loop_files: LoopFiles | None,
     ) -> Staged:
         with_optimizer = ctx.plan.config.checkpoint.save_optimizer
         return stage_checkpoint(
@@ -132,6 +136,7 @@ class RunState:
             plan=plan_fingerprint(ctx.plan),
             buffers=self.buffers,
             full_state=full,
+            loop_files=loop_files,
         )
 
     def _commit(self, ctx: WorkerContext, writer: BackgroundWriter, staged: Staged) -> None:
@@ -148,9 +153,12 @@ class RunState:
         )
         log.info("checkpoint %s committed", location)
 
-    def resume(self, ctx: WorkerContext) -> dict[str, Any] | None:
+    def resume(
+        self, ctx: WorkerContext, loop_files: LoopFiles | None = None
+    ) -> dict[str, Any] | None:
         """Restore the newest good checkpoint, if any, and return its trainer state (its "step"
-        and what the loop saved with it); None for a fresh run.
+        and what the loop saved with it); None for a fresh run. Each of `loop_files` reads its
+        directory of the checkpoint restored.
 
         Newer checkpoints that were never committed or are damaged are skipped, each with a
         warning in the run's logs naming what is wrong. A checkpoint of another plan is refused
@@ -162,7 +170,7 @@ class RunState:
                 continue
             _refuse_another_plan(ctx, self.root, found, fingerprint)
             try:
-                state = self._load(ctx, found.location)
+                state = self._load(ctx, found.location, loop_files)
             except CheckpointError as error:  # a hash that does not match: checked before use
                 _skip(found.location, [str(error)])
                 continue
@@ -170,7 +178,9 @@ class RunState:
             return state
         return None
 
-    def _load(self, ctx: WorkerContext, location: str | Path) -> dict[str, Any]:
+    def _load(
+        self, ctx: WorkerContext, location: str | Path, loop_files: LoopFiles | None
+    ) -> dict[str, Any]:
         # Saved without optimizer state (checkpoint.save_optimizer = false): fresh ones.
         with_optimizer = ctx.plan.config.checkpoint.save_optimizer
         state = load_checkpoint(
@@ -181,6 +191,7 @@ class RunState:
             extras=self.extras,
             adapters=self.adapters,
             full_state=self._sharded_loader(ctx, with_optimizer),
+            loop_files=loop_files,
         )
         index = ctx.seed_index
         if self.stream is not None:

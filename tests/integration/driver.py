@@ -59,18 +59,27 @@ def processes_mentioning(marker: str) -> list[int]:
 # A reward plugin (written as examples/counting.py) that fails the run on its call FAIL_AFTER + 1:
 # one call a step, so a run stops part-way at the same step every time, racing no signal.
 COUNTING_REWARD = """
+import glob
 import os
+import time
 
 
 def counting(prompts, completions, **_):
     # Fails the run on call FAIL_AFTER + 1 (one call a step): a run stopped part-way, every time
-    # at the same step, without racing a signal against the steps.
+    # at the same step, without racing a signal against the steps. With WAIT_FOR (a glob), the
+    # failing call first waits for a file to match it: an actor running ahead of the learner
+    # then fails only once the learner's checkpoint is committed.
     limit = os.environ.get("FAIL_AFTER")
     if limit is not None:
         path = os.environ["COUNT_FILE"]
         calls = int(open(path).read()) + 1 if os.path.exists(path) else 1
         open(path, "w").write(str(calls))
         if calls > int(limit):
+            deadline = time.monotonic() + 120
+            while os.environ.get("WAIT_FOR") and not glob.glob(os.environ["WAIT_FOR"]):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("nothing matched %s" % os.environ["WAIT_FOR"])
+                time.sleep(0.05)
             raise RuntimeError("stopped on purpose after %s calls" % limit)
     return [1.0 / (1 + len(c)) for c in completions]
 """

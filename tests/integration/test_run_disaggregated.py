@@ -2,7 +2,8 @@
 
 Each test runs the tiny model through the CLI: a world of 2 (one actor, one learner) and of 3 (one
 actor, two learners), the synchronous split against the colocated plan, an asynchronous run, and
-a resume. They take 15-40 s each, so they are marked slow.
+resumes (an asynchronous one against the same run uninterrupted). They take 15-90 s each, so
+they are marked slow.
 """
 
 from __future__ import annotations
@@ -153,3 +154,72 @@ def test_each_online_kind_trains_split_to_the_end(workdir, kind):
     losses = _series(store, record.run_id, "train/loss")
     assert len(losses) == 3 and all(math.isfinite(v) for v in losses), losses
     assert all(s > 0 for s in _series(store, record.run_id, "perf/weight_sync_s"))
+
+
+def test_a_resumed_async_run_trains_on_the_batches_an_uninterrupted_one_does(workdir):
+    """max_staleness = 1: batch 3 is sampled with version 1 before the step-2 checkpoint, which
+    saves it (buffer/); the actor fails on step 4's reward once that checkpoint is committed.
+    Resumed, the learner trains step 3 on the saved batch and the actor samples step 4 with
+    version 2: every number equals the same plan's run that never stopped."""
+    (workdir / "examples" / "counting.py").write_text(COUNTING_REWARD)
+    settings = (
+        "algorithm.max_steps=4",
+        "algorithm.max_staleness=1",
+        "checkpoint.interval=2",
+        "rewards=[{ fn = './counting.py:counting' }]",
+        "cluster.max_restarts=0",
+        *SPLIT,
+    )
+    plan = workdir / "plan.lock"
+    args = ["plan", "--config", "examples/grpo-tiny.toml", "-o", str(plan)]
+    for setting in ("data.eval=null", "cluster.threads_per_process=1", *settings):
+        args += ["--set", setting]
+    planned = rollout(workdir, *args)
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    checkpoint_glob = str(workdir / "runs" / "*" / "checkpoints" / "step-000002")
+    env = {
+        "FAIL_AFTER": "3",
+        "COUNT_FILE": str(workdir / "count"),
+        "WAIT_FOR": checkpoint_glob + "/manifest.json",
+    }
+    os.environ.update(env)
+    try:
+        failed = rollout(workdir, "run", "--plan", str(plan))
+    finally:
+        for name in env:
+            os.environ.pop(name)
+    assert failed.returncode != 0
+    assert "stopped on purpose after 3 calls" in failed.stdout + failed.stderr
+    (checkpoint,) = (workdir / "runs").glob("*/checkpoints/step-*")
+    assert checkpoint.name == "step-000002"
+    headers = json.loads((checkpoint / "buffer" / "learner-0.json").read_text())
+    # Batch 3, sampled with version 1 (one step stale), is what the checkpoint holds ahead.
+    assert [(h["step"], h["header"]["policy_version"]) for h in headers] == [(3, 1)]
+    assert (checkpoint / "buffer" / "learner-0.safetensors").is_file()
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    assert {"buffer/learner-0.json", "buffer/learner-0.safetensors"} <= set(manifest["files"])
+    verified = rollout(workdir, "checkpoints", "verify", str(checkpoint))
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+
+    resumed = rollout(workdir, "run", "--plan", str(plan))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    _run(workdir, *settings)  # the same config, never stopped
+    store, (first, second) = _runs(workdir)
+    stopped, whole = (first, second) if first.run_id == _plan_run_id(plan) else (second, first)
+    for record in (stopped, whole):
+        assert record.status == "finished" and record.last_step == 4
+    logs = rollout(workdir, "logs", "tail", stopped.run_id, "--rank", "0")
+    # The actor skips step 3 (the learner holds its batch) and samples on from step 4.
+    assert "actor 0 generating steps 4..4" in logs.stdout, logs.stdout
+    assert _series(store, whole.run_id, "train/staleness") == [0.0, 1.0, 1.0, 1.0]
+    names = ("train/loss", "reward/mean", "train/grad_norm", "train/stale_weight_mean")
+    for name in names:
+        series = _series(store, stopped.run_id, name)
+        assert series == _series(store, whole.run_id, name), name
+        assert len(series) == (4 if name != "train/stale_weight_mean" else 3), name
+    # The step-4 checkpoint has nothing ahead of it: the run ends there.
+    assert not (checkpoint.parent / "step-000004" / "buffer").exists()
+
+
+def _plan_run_id(plan) -> str:
+    return json.loads(plan.read_text())["plan"]["run_id"]

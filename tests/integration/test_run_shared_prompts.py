@@ -9,6 +9,7 @@ bit for bit (seeds follow the chunk, batches are assembled in item order). Each 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -143,3 +144,29 @@ def test_two_actors_feed_two_learners_the_batch_one_learner_trains_on(workdir):
     grad_norm_one, grad_norm_two = series["train/grad_norm"]
     assert grad_norm_two[0] == pytest.approx(grad_norm_one[0], rel=1e-4)
     assert _prompts_by_step(workdir, two, rank=3) == _prompts_by_step(workdir, one, rank=2)
+
+
+def test_async_learners_checkpoint_their_shares_of_the_batch_ahead(workdir):
+    """max_staleness = 1 with the work queue: before the step-2 checkpoint each learner takes
+    its half of batch 3 from the queue's chunks (sampled with version 1) and the checkpoint
+    saves both halves in buffer/; the run then trains step 3 on them and finishes."""
+    run_id = _run(
+        workdir,
+        *SHARED,
+        "algorithm.max_steps=4",
+        "algorithm.max_staleness=1",
+        "checkpoint.interval=2",
+        "cluster.nproc_per_node=4",
+        "cluster.placement={ actor = [0, 1], learner = [2, 3] }",
+    )
+    assert _store(workdir).get_run(run_id).status == "finished"
+    assert _series(workdir, run_id, "train/staleness") == [0.0, 1.0, 1.0, 1.0]
+    checkpoint = workdir / "runs" / run_id / "checkpoints" / "step-000002"
+    shares = [json.loads((checkpoint / "buffer" / f"learner-{i}.json").read_text()) for i in (0, 1)]
+    for share in shares:
+        assert [(h["step"], h["header"]["policy_version"]) for h in share] == [(3, 1)]
+        assert len(share[0]["header"]["completion_lengths"]) == PROMPTS * 4 // 2
+    # The same step metrics on both learners (every learner gets every chunk's metrics).
+    assert shares[0][0]["metrics"] == shares[1][0]["metrics"]
+    verified = rollout(workdir, "checkpoints", "verify", str(checkpoint))
+    assert verified.returncode == 0, verified.stdout + verified.stderr

@@ -538,6 +538,49 @@ def test_a_checkpoint_is_committed_by_its_manifest(artifact_root, tokenizer):
     assert_same_weights(restored.model, training.model)
 
 
+def test_a_loop_directory_is_committed_and_read_back_checked(artifact_root, tokenizer):
+    """What a loop writes itself (a disaggregated learner's buffer/) is in the manifest like any
+    file, read back from the checked copy, and refused when damaged."""
+    from rollout.runtime.checkpoint import commit_checkpoint, stage_checkpoint
+    from rollout.runtime.manifest import problems, read_manifest
+
+    training = Training(seed=0)
+
+    def write(directory: Path) -> None:
+        (directory / "notes.json").write_text('{"held": [3, 4]}', encoding="utf-8")
+
+    staged = stage_checkpoint(
+        artifact_root,
+        2,
+        model=training.model,
+        tokenizer=tokenizer,
+        optimizer=training.optimizer,
+        scheduler=training.scheduler,
+        trainer_state={"step": 2},
+        loop_files={"buffer": write},
+    )
+    saved = commit_checkpoint(staged)
+    assert "buffer/notes.json" in read_manifest(saved)["files"]
+    assert problems(saved) == []
+
+    read: list[tuple[bool, str]] = []
+
+    def reader(directory: Path) -> None:
+        notes = directory / "notes.json"
+        read.append((Path(directory).is_dir(), notes.read_text() if notes.is_file() else ""))
+
+    files = {"buffer": reader, "absent": reader}
+    load_checkpoint(saved, model=training.model, optimizer=None, scheduler=None, loop_files=files)
+    assert read == [(True, '{"held": [3, 4]}'), (False, "")]
+
+    _flip_a_byte(saved, "buffer/notes.json")
+    with pytest.raises(CheckpointError, match=r"buffer/notes\.json does not match its sha256"):
+        load_checkpoint(
+            saved, model=training.model, optimizer=None, scheduler=None, loop_files=files
+        )
+    assert len(read) == 2  # refused before any reader ran
+
+
 def test_a_damaged_checkpoint_is_never_loaded_and_the_error_names_the_good_one(
     artifact_root, tokenizer
 ):

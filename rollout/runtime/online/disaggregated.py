@@ -14,13 +14,18 @@ version max(0, s - 1 - k), exactly (an actor waits for that version, and takes n
 a run is reproducible and every collective lines up. k = 0 is the synchronous loop, and gives
 the colocated plan's numbers: actor i and learner i are seeded as colocated rank i.
 
-A resumed run starts from the learners' checkpoint: the first learner sends its weights and the
-step, and each actor skips the prompts of the steps already trained. Batches in flight when the
-run stopped are not saved; the resumed run samples them again.
+Before checkpointing step s with k >= 1, the learners receive batches s+1..min(s+k, total)
+(the actors sample them with versions up to s-1, so they never wait for the learners to go on)
+and the checkpoint saves them (rollout.runtime.online.pending); the next steps take them from
+there. A resumed run starts from the learners' checkpoint: the first learner sends its weights,
+the step, and how many batches ahead of it the checkpoint held; each actor skips the prompts of
+those steps too and samples on from step s+k+1, with version s, as an uninterrupted run does.
+The resumed run trains on exactly the batches the uninterrupted one would.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any
@@ -33,6 +38,7 @@ from rollout.runtime.online import shared_prompts
 from rollout.runtime.online import trainer as colocated
 from rollout.runtime.online.algorithms import ALGORITHMS
 from rollout.runtime.online.batches import RolloutBatch, concat, from_wire, to_wire
+from rollout.runtime.online.pending import BUFFER, PendingBatches, gather_shares, write_shares
 from rollout.runtime.online.prompts import load_data
 from rollout.runtime.online.staleness import correct_stale, current_logprobs
 from rollout.runtime.phases import PhaseClock
@@ -72,18 +78,19 @@ def _act(ctx: WorkerContext, groups: weight_sync.Groups) -> None:
     staleness = plan.config.algorithm.max_staleness
     total = plan.derived.total_steps
 
-    # The first sync: the learner's weights as it starts (resumed or not), and the step it is at.
+    # The first sync: the learner's weights as it starts (resumed or not), the step it is at,
+    # and how many batches after it the learners already hold (a checkpoint's pending batches).
     header = _take_weights(groups, engine, model)
     start = header["step"]
-    prompts.skip(start)
+    first = start + header["ahead"] + 1
+    prompts.skip(first - 1)
     in_flight: list[weight_sync.Sent] = []
-    log.info(
-        "actor %d generating steps %d..%d (max staleness %d)", index, start + 1, total, staleness
-    )
-    for step in range(start + 1, total + 1):
+    log.info("actor %d generating steps %d..%d (max staleness %d)", index, first, total, staleness)
+    for step in range(first, total + 1):
         if ctx.activity is not None:
             ctx.activity.at_step(step)
         # Batch `step` is sampled with version step - 1 - k exactly: deterministic staleness.
+        # Resumed at s with its k batches ahead held, the first, s + k + 1, takes version s.
         waited = time.perf_counter()
         while engine.policy_version < max(start, step - 1 - staleness):
             header = _take_weights(groups, engine, model)
@@ -182,18 +189,26 @@ def _learn(ctx: WorkerContext, writer: BackgroundWriter, groups: weight_sync.Gro
     )
     main = ctx.rank == groups.source
     start = 0
-    resumed = checkpoints.resume(ctx)
+    pending = PendingBatches()  # batches received ahead of their step, saved with checkpoints
+    read_pending = functools.partial(pending.read, index=ctx.seed_index)
+    resumed = checkpoints.resume(ctx, {BUFFER: read_pending})
     if resumed is not None:
         start = resumed["step"]
+        if pending.steps() != list(range(start + 1, start + 1 + len(pending))):
+            raise RuntimeError(
+                f"the checkpoint of step {start} holds pending batches of steps "
+                f"{pending.steps()}, not the steps right after it"
+            )
     weights = whole_weights(model)  # every learner takes part when the model is sharded
     if main:
-        weight_sync.send_weights(groups, weights, {"version": start, "step": start})
+        first = {"version": start, "step": start, "ahead": len(pending)}
+        weight_sync.send_weights(groups, weights, first)
     total = plan.derived.total_steps
     log.info("training %s for steps %d..%d", algo.kind, start + 1, total)
     for step in range(start + 1, total + 1):
         if ctx.stop.is_set():
             log.warning("stop requested: checkpointing at step %d and exiting", step - 1)
-            checkpoints.save(ctx, writer, step - 1, {"policy_version": step - 1})
+            _checkpoint(ctx, writer, groups, checkpoints, pending, step - 1, start)
             if main:
                 weight_sync.send_stop(groups, {"version": step - 1, "step": step - 1})
             return
@@ -202,10 +217,7 @@ def _learn(ctx: WorkerContext, writer: BackgroundWriter, groups: weight_sync.Gro
         started = time.perf_counter()
         clock = PhaseClock(ctx.device)
         with clock.phase("receive"):
-            if len(groups.actors) > 1:
-                batch, actor_metrics = shared_prompts.receive_step(ctx, groups, step, start)
-            else:
-                batch, actor_metrics = _receive(groups, step)
+            batch, actor_metrics = pending.take(step) or _receive_step(ctx, groups, step, start)
         metrics = dict(actor_metrics)
         # The policy about to train is version step - 1; the batch was sampled by an older one.
         staleness = step - 1 - batch.policy_version
@@ -240,7 +252,45 @@ def _learn(ctx: WorkerContext, writer: BackgroundWriter, groups: weight_sync.Gro
         metrics["perf/tokens_per_s"] = tokens / elapsed
         record_metrics(ctx, writer, step, metrics)
         if step == total or step % plan.config.checkpoint.interval == 0:
-            checkpoints.save(ctx, writer, step, {"policy_version": step})
+            _checkpoint(ctx, writer, groups, checkpoints, pending, step, start)
+
+
+def _checkpoint(
+    ctx: WorkerContext,
+    writer: BackgroundWriter,
+    groups: weight_sync.Groups,
+    checkpoints: RunState,
+    pending: PendingBatches,
+    step: int,
+    start: int,
+) -> None:
+    """Checkpoint `step` (every learner calls it) with the batches of the next k steps
+    (max_staleness), received now where not held yet: they were sampled with weights older
+    than the checkpoint's, so a resumed run must train on these, not sample them again.
+
+    The actors sample batch t with version max(0, t - 1 - k), so batches up to step + k need
+    versions up to step - 1, which the learners have broadcast: receiving them never waits on
+    the learners' own progress (with several actors, on the work queue's either)."""
+    last = min(step + ctx.plan.config.algorithm.max_staleness, ctx.plan.derived.total_steps)
+    if step > 0:  # a checkpoint of step 0 is not written
+        for ahead in range(step + 1, last + 1):
+            if ahead not in pending:
+                pending.put(ahead, *_receive_step(ctx, groups, ahead, start))
+    loop_files = {}
+    if len(pending):  # as many on every learner: they receive the same steps
+        shares = gather_shares(ctx, pending)
+        loop_files[BUFFER] = functools.partial(write_shares, shares=shares)
+    checkpoints.save(ctx, writer, step, {"policy_version": step}, loop_files)
+
+
+def _receive_step(
+    ctx: WorkerContext, groups: weight_sync.Groups, step: int, start: int
+) -> tuple[RolloutBatch, dict[str, float]]:
+    """This learner's share of batch `step` and the step's actor metrics: from the lone actor,
+    or from the actors sharing the step's prompts through the work queue."""
+    if len(groups.actors) > 1:
+        return shared_prompts.receive_step(ctx, groups, step, start)
+    return _receive(groups, step)
 
 
 def _receive(groups: weight_sync.Groups, step: int) -> tuple[RolloutBatch, dict[str, float]]:
