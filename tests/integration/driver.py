@@ -16,15 +16,29 @@ def environment(workdir: Path) -> dict[str, str]:
     return {**os.environ, "ROLLOUT_CACHE": str(workdir / "cache"), "COLUMNS": "200"}
 
 
-def rollout(workdir: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def rollout(
+    workdir: Path, *args: str, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`rollout ARGS` to its end, with `env` added to the environment."""
     return subprocess.run(
         [sys.executable, "-m", "rollout", *args],
         cwd=workdir,
-        env=environment(workdir),
+        env={**environment(workdir), **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+
+
+def plan_with(workdir: Path, config: str, *settings: str) -> Path:
+    """`rollout plan` of `config` with each `--set` of `settings`, into workdir/plan.lock."""
+    plan = workdir / "plan.lock"
+    args = ["plan", "--config", config, "-o", str(plan)]
+    for setting in settings:
+        args += ["--set", setting]
+    planned = rollout(workdir, *args)
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    return plan
 
 
 def start(workdir: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:

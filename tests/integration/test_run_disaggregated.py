@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import pytest
 
 from rollout.storage import open_store
-from tests.integration.driver import COUNTING_REWARD, rollout
+from tests.integration.driver import COUNTING_REWARD, plan_with, rollout
 
 pytestmark = pytest.mark.slow
 
@@ -28,13 +27,7 @@ def _run(workdir, *settings: str, env: dict[str, str] | None = None, check: bool
     args += ["--set", "cluster.threads_per_process=1"]
     for setting in settings:
         args += ["--set", setting]
-    if env:
-        os.environ.update(env)
-    try:
-        result = rollout(workdir, *args)
-    finally:
-        for name in env or {}:
-            os.environ.pop(name, None)
+    result = rollout(workdir, *args, env=env)
     if check:
         assert result.returncode == 0, result.stdout + result.stderr
         assert "Traceback" not in result.stdout + result.stderr
@@ -105,19 +98,9 @@ def test_a_stopped_split_run_resumes_from_the_learners_checkpoint(workdir):
         "cluster.max_restarts=0",
         *SPLIT,
     )
-    plan = workdir / "plan.lock"
-    args = ["plan", "--config", "examples/grpo-tiny.toml", "-o", str(plan)]
-    for setting in ("data.eval=null", *settings):
-        args += ["--set", setting]
-    planned = rollout(workdir, *args)
-    assert planned.returncode == 0, planned.stdout + planned.stderr
+    plan = plan_with(workdir, "examples/grpo-tiny.toml", "data.eval=null", *settings)
     env = {"FAIL_AFTER": "2", "COUNT_FILE": str(workdir / "count")}
-    os.environ.update(env)
-    try:
-        failed = rollout(workdir, "run", "--plan", str(plan))
-    finally:
-        for name in env:
-            os.environ.pop(name)
+    failed = rollout(workdir, "run", "--plan", str(plan), env=env)
     assert failed.returncode != 0
     store, (record,) = _runs(workdir)
     assert [c.step for c in store.checkpoints(record.run_id)] == [2]
@@ -170,24 +153,17 @@ def test_a_resumed_async_run_trains_on_the_batches_an_uninterrupted_one_does(wor
         "cluster.max_restarts=0",
         *SPLIT,
     )
-    plan = workdir / "plan.lock"
-    args = ["plan", "--config", "examples/grpo-tiny.toml", "-o", str(plan)]
-    for setting in ("data.eval=null", "cluster.threads_per_process=1", *settings):
-        args += ["--set", setting]
-    planned = rollout(workdir, *args)
-    assert planned.returncode == 0, planned.stdout + planned.stderr
+    plan = plan_with(
+        workdir, "examples/grpo-tiny.toml", "data.eval=null", "cluster.threads_per_process=1",
+        *settings,
+    )  # fmt: skip
     checkpoint_glob = str(workdir / "runs" / "*" / "checkpoints" / "step-000002")
     env = {
         "FAIL_AFTER": "3",
         "COUNT_FILE": str(workdir / "count"),
         "WAIT_FOR": checkpoint_glob + "/manifest.json",
     }
-    os.environ.update(env)
-    try:
-        failed = rollout(workdir, "run", "--plan", str(plan))
-    finally:
-        for name in env:
-            os.environ.pop(name)
+    failed = rollout(workdir, "run", "--plan", str(plan), env=env)
     assert failed.returncode != 0
     assert "stopped on purpose after 3 calls" in failed.stdout + failed.stderr
     (checkpoint,) = (workdir / "runs").glob("*/checkpoints/step-*")

@@ -6,14 +6,13 @@ its gathered checkpoint. Each run takes 15-30 s here, so they are marked slow.""
 from __future__ import annotations
 
 import math
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 
 from rollout.storage import open_store
-from tests.integration.driver import COUNTING_REWARD, rollout
+from tests.integration.driver import COUNTING_REWARD, plan_with, rollout
 
 pytestmark = pytest.mark.slow
 
@@ -79,19 +78,9 @@ def test_a_stopped_sharded_split_run_resumes_from_its_gathered_checkpoint(workdi
         "checkpoint.interval=2",
         "rewards=[{ fn = './counting.py:counting' }]",
     )
-    plan = workdir / "plan.lock"
-    args = ["plan", "--config", "examples/grpo-tiny.toml", "-o", str(plan)]
-    for setting in settings:
-        args += ["--set", setting]
-    planned = rollout(workdir, *args)
-    assert planned.returncode == 0, planned.stdout + planned.stderr
+    plan = plan_with(workdir, "examples/grpo-tiny.toml", *settings)
     env = {"FAIL_AFTER": "2", "COUNT_FILE": str(workdir / "count")}
-    os.environ.update(env)
-    try:
-        failed = rollout(workdir, "run", "--plan", str(plan))
-    finally:
-        for name in env:
-            os.environ.pop(name)
+    failed = rollout(workdir, "run", "--plan", str(plan), env=env)
     assert failed.returncode != 0
     store = open_store(f"sqlite:{workdir / 'runs' / 'rollout.db'}", create=False)
     (record,) = store.list_runs()
