@@ -40,7 +40,7 @@ class ControlBoard:
     def _connect(self) -> Any:
         if self._client is None and time.monotonic() >= self._next_try:
             self._next_try = time.monotonic() + RETRY_S
-            import torch.distributed as dist
+            dist = _quiet_torch_distributed()
 
             with contextlib.suppress(Exception):  # not listening (yet, or any more)
                 self._client = dist.TCPStore(
@@ -82,3 +82,28 @@ def forwards_records(plan: Plan) -> bool:
     """Whether the ranks off node 0 forward their records to it, and the joining hosts read
     this board rather than the run store: a SQLite store with several nodes."""
     return plan.graph.nnodes > 1 and plan.derived.store.startswith("sqlite:")
+
+
+def _quiet_torch_distributed() -> Any:
+    """torch.distributed, imported with torch's C++ log at FATAL: a board that is not there (yet,
+    or any more, once node 0's agent ended) is the expected case, and each failed connection
+    would otherwise print a C++ stack trace on this node's terminal. The level is read once,
+    when torch loads, and only for this host process: the variable is restored at once, so the
+    workers this host starts keep the user's own."""
+    import os
+    import sys
+
+    if "torch" in sys.modules:  # loaded already, at the level it was loaded with
+        import torch.distributed as dist
+
+        return dist
+    before = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    try:
+        import torch.distributed as dist
+    finally:
+        if before is None:
+            del os.environ["TORCH_CPP_LOG_LEVEL"]
+        else:
+            os.environ["TORCH_CPP_LOG_LEVEL"] = before
+    return dist

@@ -150,6 +150,35 @@ def test_two_nodes_on_sqlite_forward_node_1s_records_into_node_0s_file(workdir):
     assert_none_left("sqlite-nodes")
 
 
+def test_an_actor_on_node_0_and_its_learner_on_node_1_train_one_run(workdir):
+    """A disaggregated placement across nodes: the learner (rank 1, node 1) records the metrics
+    and the checkpoint, which reach node 0's SQLite file the forwarded way; the joining node's
+    terminal shows no C++ trace when node 0's rendezvous store goes away first."""
+    sqlite_path = workdir / "node0" / "rollout.db"
+    lock, _ = plan_two_nodes(
+        workdir,
+        "split-nodes",
+        "cluster.placement={ actor = [0], learner = [1] }",
+        store=("storage.backend=sqlite", f"storage.sqlite_path={sqlite_path}"),
+    )
+    joining = start(workdir, "run", "--plan", str(lock), "--node-rank", "1")
+    owner = rollout(workdir, "run", "--plan", str(lock), "--node-rank", "0", timeout=400)
+    joined_out, joined_err = joining.communicate(timeout=120)
+    assert owner.returncode == 0, owner.stdout + owner.stderr
+    assert joining.returncode == 0, joined_out + joined_err
+    assert "frame #" not in joined_out + joined_err and "Traceback" not in joined_err
+
+    store, record = the_run(f"sqlite:{sqlite_path}")
+    assert record.status == "finished" and record.last_step == 2
+    assert [m.step for m in store.metrics(record.run_id, ["train/loss"])] == [1, 2]
+    assert [m.step for m in store.metrics(record.run_id, ["perf/weight_sync_s"])] == [1, 2]
+    assert [c.step for c in store.checkpoints(record.run_id)] == [2]
+    roles = {(row.rank, row.role) for row in store.logs(record.run_id, limit=5000)}
+    assert (1, "learner") in roles and any(rank == 0 for rank, _ in roles)
+    store.close()
+    assert_none_left("split-nodes")
+
+
 def test_a_cancel_on_a_sqlite_run_reaches_the_joining_node_through_node_0s_board(workdir):
     """Node 1 cannot read the run's record: node 0's host tells it, at the rendezvous store,
     that the run was cancelled, and both nodes stop."""
