@@ -93,7 +93,7 @@ def test_an_actor_holds_the_learners_weights_after_a_sync(tmp_path) -> None:
 
 
 # The actor joins each broadcast this long after the learner started it: mid-generation.
-_ACTOR_LATE_S = 2.0
+_ACTOR_LATE_S = 1.0
 
 
 def _publishing_worker(rank: int, store_path: str, out: str) -> None:
