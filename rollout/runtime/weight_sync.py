@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,16 +119,83 @@ def recv_message(src: int, tag: int = 0) -> tuple[dict[str, Any], list[torch.Ten
 def send_weights(
     groups: Groups, weights: Mapping[str, torch.Tensor], header: Mapping[str, Any]
 ) -> None:
-    """The first learner's side of a sync: `header` (the version, the step, a stop), then every
-    tensor of `weights` in order, to every actor (collective over the sync group)."""
-    names = {"names": [[name, list(t.shape)] for name, t in weights.items()]}
-    _broadcast_json(groups, {**header, **names})
-    for tensor in weights.values():
-        dist.broadcast(
-            tensor.detach().contiguous().to(transport._device),
-            groups.source,
-            group=groups.sync_group,
-        )
+    """The first learner's side of a sync, waited for: `header` (the version, the step, a stop),
+    then every tensor of `weights` in order, to every actor (collective over the sync group).
+    A learner that goes on training while the actors take them publishes through a
+    `WeightPublisher` instead."""
+    publisher = WeightPublisher(groups)
+    publisher.publish(weights, header)
+    publisher.wait()
+
+
+class WeightPublisher:
+    """The first learner's side of the syncs, asynchronous: `publish` copies the weights into
+    buffers kept from one sync to the next (a device-side copy on CUDA; no allocation after the
+    first), starts broadcasting the copy and returns, so the learner trains its next step while
+    the actors, mid-generation, have not joined yet. The copy is what makes this safe: the next
+    optimizer step changes the live parameters, never the tensors in flight.
+
+    Each `publish`, `stop` and `wait` first waits for the broadcast before it (the buffers are
+    reused, and the actors take the syncs in order); the learner calls `wait` before it ends.
+    """
+
+    def __init__(self, groups: Groups):
+        self.groups = groups
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._works: list[Any] = []
+        self._keep: list[torch.Tensor] = []  # the header's tensors, referenced until sent
+        self._issued = 0.0
+        self._completed: list[float] = []  # the broadcast's completion time, once it came
+        self.broadcast_s: float | None = None
+        """How long the last broadcast waited for, issue to completion (None before one)."""
+
+    def publish(self, weights: Mapping[str, torch.Tensor], header: Mapping[str, Any]) -> None:
+        """Start sending `header`, then a snapshot of every tensor of `weights` in order."""
+        self.wait()
+        snapshot = self._snapshot(weights)
+        names = {"names": [[name, list(t.shape)] for name, t in weights.items()]}
+        self._issued = time.perf_counter()
+        completed: list[float] = []  # this broadcast's own: a late callback cannot mark the next
+        self._completed = completed
+        self._works, self._keep = _broadcast_json_async(self.groups, {**header, **names})
+        for tensor in snapshot:
+            self._works.append(
+                dist.broadcast(
+                    tensor, self.groups.source, group=self.groups.sync_group, async_op=True
+                )
+            )
+        # when the actors took the last of it (a callback on gloo's or NCCL's own thread)
+        self._works[-1].get_future().then(lambda _: completed.append(time.perf_counter()))
+
+    def stop(self, header: Mapping[str, Any]) -> None:
+        """Tell the actors the run ends here (after the broadcast in flight, if any)."""
+        self.wait()
+        send_stop(self.groups, header)
+
+    def wait(self) -> None:
+        """Block until the broadcast in flight, if any, completed."""
+        if not self._works:
+            return
+        for work in self._works:
+            work.wait()
+        completed = self._completed[0] if self._completed else time.perf_counter()
+        self.broadcast_s = max(0.0, completed - self._issued)
+        self._works, self._keep = [], []
+
+    def _snapshot(self, weights: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """`weights` copied into this publisher's buffers (made again only if the names, shapes
+        or dtypes changed, which a policy's do not between syncs)."""
+        like = [(name, t.shape, t.dtype) for name, t in weights.items()]
+        held = [(name, t.shape, t.dtype) for name, t in self._buffers.items()]
+        if like != held:
+            self._buffers = {
+                name: torch.empty(t.shape, dtype=t.dtype, device=transport._device)
+                for name, t in weights.items()
+            }
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                self._buffers[name].copy_(tensor.detach())
+        return list(self._buffers.values())
 
 
 def send_stop(groups: Groups, header: Mapping[str, Any]) -> None:
@@ -184,6 +252,18 @@ def _broadcast_json(groups: Groups, value: Any) -> Any:
         payload = torch.zeros(int(size.item()), dtype=torch.uint8, device=transport._device)
     dist.broadcast(payload, source, group=group)
     return value if sending else json.loads(payload.cpu().numpy().tobytes().decode())
+
+
+def _broadcast_json_async(groups: Groups, value: Any) -> tuple[list[Any], list[torch.Tensor]]:
+    """`_broadcast_json`'s sending side, started without waiting: the works, and the tensors they
+    send (to keep referenced until they complete)."""
+    payload = _json_tensor(value)
+    size = torch.tensor([payload.numel()], dtype=torch.long, device=transport._device)
+    works = [
+        dist.broadcast(t, groups.source, group=groups.sync_group, async_op=True)
+        for t in (size, payload)
+    ]
+    return works, [size, payload]
 
 
 def _json_tensor(value: Any) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -64,11 +65,12 @@ def _worker(rank: int, store_path: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_an_actor_holds_the_learners_weights_after_a_sync(tmp_path) -> None:
+def _run_ranks(worker, tmp_path) -> list[int | None]:
+    """`worker` on ranks 0..2 (spawned interpreters, gloo): their exit codes."""
     context = multiprocessing.get_context("spawn")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     workers = [
-        context.Process(target=_worker, args=(rank, str(tmp_path / "store"), str(tmp_path)))
+        context.Process(target=worker, args=(rank, str(tmp_path / "store"), str(tmp_path)))
         for rank in range(3)
     ]
     for worker in workers:
@@ -79,11 +81,70 @@ def test_an_actor_holds_the_learners_weights_after_a_sync(tmp_path) -> None:
     for worker in workers:
         if worker.is_alive():
             worker.kill()
-    assert codes == [0, 0, 0]
+    return codes
+
+
+def test_an_actor_holds_the_learners_weights_after_a_sync(tmp_path) -> None:
+    assert _run_ranks(_worker, tmp_path) == [0, 0, 0]
     actor, learner = (tmp_path / "0").read_text(), (tmp_path / "1").read_text()
     assert actor == learner
     # and the checksum tells different weights apart
     assert state_checksum(_model(0).state_dict()) != state_checksum(_model(1).state_dict())
+
+
+# The actor joins each broadcast this long after the learner started it: mid-generation.
+_ACTOR_LATE_S = 1.0
+
+
+def _publishing_worker(rank: int, store_path: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from rollout.runtime import weight_sync
+
+    store = dist.FileStore(store_path, 3)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=3)
+    try:
+        groups = weight_sync.make_groups([0], [1, 2])
+        model = _model(seed=rank)
+        if rank == 1:
+            publisher = weight_sync.WeightPublisher(groups)
+            for version in (1, 2):
+                sent = state_checksum(model.state_dict())
+                started = time.perf_counter()
+                publisher.publish(model.state_dict(), {"version": version, "step": version})
+                Path(out, f"publish-{version}").write_text(str(time.perf_counter() - started))
+                # the next optimizer step, at once: the actor has not taken the weights yet
+                with torch.no_grad():
+                    for parameter in model.parameters():
+                        parameter.add_(1.0)
+                Path(out, f"sent-{version}").write_text(sent)
+            publisher.stop({"version": 2, "step": 2})
+            assert publisher.broadcast_s is not None and publisher.broadcast_s > 0
+        elif rank == 0:
+            for version in (1, 2):
+                time.sleep(_ACTOR_LATE_S)
+                header, weights = weight_sync.receive_weights(groups, model.state_dict())
+                assert header["version"] == version
+                model.load_state_dict(weights)
+                Path(out, f"received-{version}").write_text(state_checksum(model.state_dict()))
+            header, weights = weight_sync.receive_weights(groups, model.state_dict())
+            assert header["stop"] and weights == {}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_learner_trains_on_while_the_actor_takes_a_snapshot(tmp_path) -> None:
+    """`publish` returns before the actor joins the broadcast, and changing the parameters right
+    after it changes nothing the actor receives; the reused buffers carry the next version."""
+    assert _run_ranks(_publishing_worker, tmp_path) == [0, 0, 0]
+    for version in (1, 2):
+        assert (tmp_path / f"received-{version}").read_text() == (
+            tmp_path / f"sent-{version}"
+        ).read_text()
+    # the first publish cannot have waited for the actor (which joins _ACTOR_LATE_S later);
+    # the second waited for the first broadcast, no more
+    assert float((tmp_path / "publish-1").read_text()) < _ACTOR_LATE_S / 2
+    assert (tmp_path / "received-1").read_text() != (tmp_path / "received-2").read_text()
 
 
 def test_a_batch_survives_the_wire() -> None:

@@ -3,9 +3,12 @@
 
 Actor ranks hold the engine and the rewards: they generate and score a batch per step and send
 each learner its share of it. One actor takes every prompt of a step; several share each step's
-prompts through the work queue (rollout.runtime.online.shared_prompts), chunk by chunk. Learner ranks hold the policy, its optimizer (and reference,
-critic): they train on the step's batch as colocated ranks do, and after each step the first
-learner broadcasts the policy to every actor (perf/weight_sync_s). With cluster.sharding = "fsdp"
+prompts through the work queue (rollout.runtime.online.shared_prompts), chunk by chunk. Learner
+ranks hold the policy, its optimizer (and reference, critic): they train on the step's batch as
+colocated ranks do, and after each step the first learner broadcasts the policy to every actor:
+a snapshot of it, sent while the learner goes on to the next step (weight_sync.WeightPublisher).
+perf/weight_sync_s is the wait for the previous broadcast plus the snapshot; perf/weight_broadcast_s
+the previous broadcast's own duration, until the actors took it. With cluster.sharding = "fsdp"
 the learners shard the policy over their own ranks, and gather it whole on the first learner for
 each broadcast (the gather counts in perf/weight_sync_s).
 
@@ -199,18 +202,20 @@ def _learn(ctx: WorkerContext, writer: BackgroundWriter, groups: weight_sync.Gro
                 f"the checkpoint of step {start} holds pending batches of steps "
                 f"{pending.steps()}, not the steps right after it"
             )
+    # The first learner broadcasts a snapshot of the weights without waiting for the actors to
+    # take it, and waits for that broadcast only before its next one (or its stop, or its end).
+    publisher = weight_sync.WeightPublisher(groups) if main else None
     weights = whole_weights(model)  # every learner takes part when the model is sharded
-    if main:
-        first = {"version": start, "step": start, "ahead": len(pending)}
-        weight_sync.send_weights(groups, weights, first)
+    if publisher is not None:
+        publisher.publish(weights, {"version": start, "step": start, "ahead": len(pending)})
     total = plan.derived.total_steps
     log.info("training %s for steps %d..%d", algo.kind, start + 1, total)
     for step in range(start + 1, total + 1):
         if ctx.stop.is_set():
             log.warning("stop requested: checkpointing at step %d and exiting", step - 1)
             _checkpoint(ctx, writer, groups, checkpoints, pending, step - 1, start)
-            if main:
-                weight_sync.send_stop(groups, {"version": step - 1, "step": step - 1})
+            if publisher is not None:
+                publisher.stop({"version": step - 1, "step": step - 1})
             return
         if ctx.activity is not None:
             ctx.activity.at_step(step)
@@ -232,10 +237,13 @@ def _learn(ctx: WorkerContext, writer: BackgroundWriter, groups: weight_sync.Gro
             metrics.update(stale_metrics)
         with clock.phase("learn"):
             metrics.update({f"train/{k}": v for k, v in learner.update(batch).items()})
-        with clock.phase("sync"):  # a sharded policy's gather is part of the sync
+        # The sync: a sharded policy's gather, the wait for the previous broadcast, the snapshot.
+        with clock.phase("sync"):
             weights = whole_weights(model)
-            if main:
-                weight_sync.send_weights(groups, weights, {"version": step, "step": step})
+            if publisher is not None:
+                publisher.publish(weights, {"version": step, "step": step})
+                if publisher.broadcast_s is not None:  # the previous step's, now complete
+                    metrics["perf/weight_broadcast_s"] = publisher.broadcast_s
         elapsed = time.perf_counter() - started
         metrics.update(clock.metrics())
         metrics["perf/weight_sync_s"] = clock.seconds.get("sync", 0.0)
@@ -253,6 +261,8 @@ def _learn(ctx: WorkerContext, writer: BackgroundWriter, groups: weight_sync.Gro
         record_metrics(ctx, writer, step, metrics)
         if step == total or step % plan.config.checkpoint.interval == 0:
             _checkpoint(ctx, writer, groups, checkpoints, pending, step, start)
+    if publisher is not None:
+        publisher.wait()  # the last broadcast, before the process group goes
 
 
 def _checkpoint(
