@@ -181,7 +181,7 @@ class CopyBuffers:
         buffer = self._buffers.get(key)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
             pin = tensor.is_cuda and torch.cuda.is_available()
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
             self._buffers[key] = buffer
         buffer.copy_(tensor.detach())
         return buffer
