@@ -420,11 +420,10 @@ class GrpoConfig(TypedDict):
 
     Range: ≥ 0, ≤ 64. Default: 0."""
     stale_samples: NotRequired[Literal["tis", "drop"]]
-    """What the learner does with a batch sampled by an older policy (max_staleness > 0): 'tis'
-    scores it with the current policy and weighs each token by the truncated importance ratio
-    min(current / sampling probability, tis_bound); 'drop' trains it with the current policy's
-    log-probs but drops the sequences where any token's ratio leaves [1 / tis_bound,
-    tis_bound].
+    """What the learner does with a batch sampled by an older policy (max_staleness > 0), from
+    the log-probs of the policy it is training (its own forward pass): 'tis' weighs each token
+    by the truncated importance ratio min(current / sampling probability, tis_bound); 'drop'
+    gives weight 0 to the sequences where any token's ratio leaves [1 / tis_bound, tis_bound].
 
     Default: 'tis'."""
     tis_bound: NotRequired[float]
@@ -814,11 +813,10 @@ class PpoConfig(TypedDict):
 
     Range: ≥ 0, ≤ 64. Default: 0."""
     stale_samples: NotRequired[Literal["tis", "drop"]]
-    """What the learner does with a batch sampled by an older policy (max_staleness > 0): 'tis'
-    scores it with the current policy and weighs each token by the truncated importance ratio
-    min(current / sampling probability, tis_bound); 'drop' trains it with the current policy's
-    log-probs but drops the sequences where any token's ratio leaves [1 / tis_bound,
-    tis_bound].
+    """What the learner does with a batch sampled by an older policy (max_staleness > 0), from
+    the log-probs of the policy it is training (its own forward pass): 'tis' weighs each token
+    by the truncated importance ratio min(current / sampling probability, tis_bound); 'drop'
+    gives weight 0 to the sequences where any token's ratio leaves [1 / tis_bound, tis_bound].
 
     Default: 'tis'."""
     tis_bound: NotRequired[float]
@@ -957,11 +955,10 @@ class ReinforcePpConfig(TypedDict):
 
     Range: ≥ 0, ≤ 64. Default: 0."""
     stale_samples: NotRequired[Literal["tis", "drop"]]
-    """What the learner does with a batch sampled by an older policy (max_staleness > 0): 'tis'
-    scores it with the current policy and weighs each token by the truncated importance ratio
-    min(current / sampling probability, tis_bound); 'drop' trains it with the current policy's
-    log-probs but drops the sequences where any token's ratio leaves [1 / tis_bound,
-    tis_bound].
+    """What the learner does with a batch sampled by an older policy (max_staleness > 0), from
+    the log-probs of the policy it is training (its own forward pass): 'tis' weighs each token
+    by the truncated importance ratio min(current / sampling probability, tis_bound); 'drop'
+    gives weight 0 to the sequences where any token's ratio leaves [1 / tis_bound, tis_bound].
 
     Default: 'tis'."""
     tis_bound: NotRequired[float]
@@ -1106,11 +1103,10 @@ class RlooConfig(TypedDict):
 
     Range: ≥ 0, ≤ 64. Default: 0."""
     stale_samples: NotRequired[Literal["tis", "drop"]]
-    """What the learner does with a batch sampled by an older policy (max_staleness > 0): 'tis'
-    scores it with the current policy and weighs each token by the truncated importance ratio
-    min(current / sampling probability, tis_bound); 'drop' trains it with the current policy's
-    log-probs but drops the sequences where any token's ratio leaves [1 / tis_bound,
-    tis_bound].
+    """What the learner does with a batch sampled by an older policy (max_staleness > 0), from
+    the log-probs of the policy it is training (its own forward pass): 'tis' weighs each token
+    by the truncated importance ratio min(current / sampling probability, tis_bound); 'drop'
+    gives weight 0 to the sequences where any token's ratio leaves [1 / tis_bound, tis_bound].
 
     Default: 'tis'."""
     tis_bound: NotRequired[float]

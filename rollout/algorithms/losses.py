@@ -148,6 +148,41 @@ def clipped_policy_loss(
     return loss, stats
 
 
+def stale_correction(
+    logprobs: Tensor, sampling_logprobs: Tensor, mask: Tensor, mode: str, bound: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token advantage weights [B, T] for a batch sampled by an older policy, and their
+    metrics (0-dim, detached, as grpo_loss's).
+
+    logprobs: [B, T] under the policy being trained (detached here: the weights carry no
+    gradient); sampling_logprobs: [B, T] the engine's, of the policy that sampled the tokens.
+    With r = exp(logprobs - sampling_logprobs) per token:
+
+    - "tis": weight min(r, bound) (truncated importance sampling); metrics stale_weight_mean and
+      stale_truncated_fraction (tokens with r > bound);
+    - "drop": weight 1 for a sequence whose every token has 1 / bound <= r <= bound, else 0;
+      metrics stale_weight_mean and stale_dropped_fraction (of the rows given).
+
+    Positions where ``mask`` is 0 weigh 1 and count in no metric.
+    """
+    valid = mask.bool()
+    log_ratio = torch.where(valid, logprobs.detach().float() - sampling_logprobs.float(), 0.0)
+    ratio = torch.exp(log_ratio)
+    stats: dict[str, Tensor] = {}
+    if mode == "tis":
+        weights = ratio.clamp(max=bound)
+        stats["stale_truncated_fraction"] = masked_mean((ratio > bound).float(), mask)
+    elif mode == "drop":
+        outside = ((ratio > bound) | (ratio < 1 / bound)) & valid
+        keep = (~outside.any(dim=-1)).float()
+        weights = torch.where(valid, keep.unsqueeze(-1), 1.0)
+        stats["stale_dropped_fraction"] = 1.0 - keep.mean()
+    else:
+        raise ValueError(f"unknown stale_samples mode {mode!r}; choose one of: tis, drop")
+    stats["stale_weight_mean"] = masked_mean(weights, mask)
+    return weights, {name: value.detach() for name, value in stats.items()}
+
+
 # ---------------------------------------------------------------------------------------------
 # per-token values -> one number
 

@@ -113,10 +113,10 @@ class OnPolicyKnobs(OptimizerKnobs):
     stale_samples: Literal["tis", "drop"] = Field(
         default="tis",
         description="What the learner does with a batch sampled by an older policy (max_staleness "
-        "> 0): 'tis' scores it with the current policy and weighs each token by the truncated "
-        "importance ratio min(current / sampling probability, tis_bound); 'drop' trains it with "
-        "the current policy's log-probs but drops the sequences where any token's ratio leaves "
-        "[1 / tis_bound, tis_bound].",
+        "> 0), from the log-probs of the policy it is training (its own forward pass): 'tis' "
+        "weighs each token by the truncated importance ratio min(current / sampling "
+        "probability, tis_bound); 'drop' gives weight 0 to the sequences where any token's "
+        "ratio leaves [1 / tis_bound, tis_bound].",
     )
     tis_bound: float = Field(
         default=2.0,

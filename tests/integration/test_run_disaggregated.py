@@ -75,13 +75,23 @@ def test_one_actor_two_learners_train_to_the_end(workdir):
     assert set(state["rng"]) == {"1"}  # the second learner's RNG states, by learner index
 
 
-def test_async_one_step_stale_runs_and_records_its_staleness(workdir):
-    _run(workdir, "algorithm.max_steps=4", "algorithm.max_staleness=1", *SPLIT)
+@pytest.mark.parametrize(
+    ("mode", "metric"),
+    [("tis", "train/stale_truncated_fraction"), ("drop", "train/stale_dropped_fraction")],
+)
+def test_async_one_step_stale_runs_and_records_its_staleness(workdir, mode, metric):
+    _run(
+        workdir,
+        "algorithm.max_steps=4",
+        "algorithm.max_staleness=1",
+        f'algorithm.stale_samples="{mode}"',
+        *SPLIT,
+    )
     store, (record,) = _runs(workdir)
     assert record.status == "finished" and record.last_step == 4
     # Batch s is sampled by version s - 2: batch 1 by the starting weights, then one behind.
     assert _series(store, record.run_id, "train/staleness") == [0.0, 1.0, 1.0, 1.0]
-    for name in ("train/loss", "reward/mean", "train/stale_weight_mean"):
+    for name in ("train/loss", "reward/mean", "train/stale_weight_mean", metric):
         values = _series(store, record.run_id, name)
         assert values and all(math.isfinite(v) for v in values), name
 

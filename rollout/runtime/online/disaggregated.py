@@ -43,7 +43,7 @@ from rollout.runtime.online.algorithms import ALGORITHMS
 from rollout.runtime.online.batches import RolloutBatch, concat, from_wire, to_wire
 from rollout.runtime.online.pending import BUFFER, PendingBatches, gather_shares, write_shares
 from rollout.runtime.online.prompts import load_data
-from rollout.runtime.online.staleness import correct_stale, current_logprobs
+from rollout.runtime.online.staleness import StaleCorrection
 from rollout.runtime.phases import PhaseClock
 from rollout.runtime.recording import record_metrics
 from rollout.runtime.run_state import RunState
@@ -231,12 +231,10 @@ def _learn(ctx: WorkerContext, writer: BackgroundWriter, groups: weight_sync.Gro
             with clock.phase("shape"):
                 batch, shaping_metrics = token_advantages(batch)
             metrics.update(shaping_metrics)
-        if staleness > 0:
-            with clock.phase("correct"):
-                batch, stale_metrics = _correct(learner, batch, algo)
-            metrics.update(stale_metrics)
+        # A stale batch is corrected inside the loss, from the learner's own forward.
+        stale = StaleCorrection(algo.stale_samples, algo.tis_bound) if staleness > 0 else None
         with clock.phase("learn"):
-            metrics.update({f"train/{k}": v for k, v in learner.update(batch).items()})
+            metrics.update({f"train/{k}": v for k, v in learner.update(batch, stale).items()})
         # The sync: a sharded policy's gather, the wait for the previous broadcast, the snapshot.
         with clock.phase("sync"):
             weights = whole_weights(model)
@@ -249,9 +247,7 @@ def _learn(ctx: WorkerContext, writer: BackgroundWriter, groups: weight_sync.Gro
         metrics["perf/weight_sync_s"] = clock.seconds.get("sync", 0.0)
         metrics["perf/learner_wait_s"] = clock.seconds["receive"]
         metrics["perf/train_s"] = sum(
-            clock.seconds[name]
-            for name in ("shape", "correct", "learn", "sync")
-            if name in clock.seconds
+            clock.seconds[name] for name in ("shape", "learn", "sync") if name in clock.seconds
         )
         metrics["perf/step_s"] = elapsed
         completions = len(batch) * len(groups.learners)
@@ -317,9 +313,3 @@ def _receive(groups: weight_sync.Groups, step: int) -> tuple[RolloutBatch, dict[
             parts.append(from_wire(header, tensors))
     metrics = {name: total / len(groups.actors) for name, total in sums.items()}
     return concat(parts), metrics
-
-
-def _correct(learner, batch: RolloutBatch, algo) -> tuple[RolloutBatch, dict[str, float]]:
-    """A stale batch against the policy the learner holds now (rollout.runtime.online.staleness)."""
-    current = current_logprobs(learner, batch, learner.knobs.micro_batch_size)
-    return correct_stale(batch, current, algo.stale_samples, algo.tis_bound)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.algorithms.losses import grpo_loss, read_metrics
+from rollout.algorithms.losses import grpo_loss, read_metrics, stale_correction
 from rollout.runtime import transport
 from rollout.runtime.logprobs import final_states, token_scores
 from rollout.runtime.online.batches import PaddedBatch, RolloutBatch, pad_for_learner
@@ -22,6 +22,7 @@ from rollout.runtime.online.shared_prefix import (
     shares_prompts,
     supports_shared_prefix,
 )
+from rollout.runtime.online.staleness import StaleCorrection
 from rollout.runtime.precision import autocast
 from rollout.runtime.sharding import is_sharded
 
@@ -67,8 +68,14 @@ class Learner:
         self.critic = critic
         self.optimizer_steps = 0
 
-    def update(self, batch: RolloutBatch) -> dict[str, float]:
+    def update(self, batch: RolloutBatch, stale: StaleCorrection | None = None) -> dict[str, float]:
         """Update epochs x minibatches of optimizer steps; returns mean metrics over them.
+
+        `stale`: the batch was sampled by an older policy (rollout.runtime.online.staleness).
+        Each minibatch then takes the detached log-probs of the policy being trained as the
+        clipped ratio's old log-probs (the proximal policy is the one being trained, as in
+        AReaL's decoupled objective) and weighs its advantages against the engine's log-probs
+        the batch carries; the correction's metrics are averaged over the minibatches.
 
         The metrics stay on the device until every step is done and are then read at once: no
         step waits for the device to report a number (which on a GPU would stall the queue of
@@ -80,12 +87,14 @@ class Learner:
         for _ in range(knobs.update_epochs):
             for start in range(0, len(batch), knobs.minibatch_size):
                 minibatch = batch.select(list(range(start, start + knobs.minibatch_size)))
-                for name, value in self._optimizer_step(minibatch).items():
+                for name, value in self._optimizer_step(minibatch, stale).items():
                     totals[name] = totals.get(name, 0.0) + value
                 steps += 1
         return {name: value / steps for name, value in read_metrics(totals).items()}
 
-    def _optimizer_step(self, minibatch: RolloutBatch) -> dict[str, torch.Tensor | float]:
+    def _optimizer_step(
+        self, minibatch: RolloutBatch, stale: StaleCorrection | None
+    ) -> dict[str, torch.Tensor | float]:
         knobs = self.knobs
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = self._token_count(minibatch)
@@ -104,7 +113,7 @@ class Learner:
             micro = micro.select(rows) if len(rows) < len(micro) else micro
             padded = pad_for_learner(micro, self.pad_token_id, self.device)
             with self._autocast():
-                loss, stats = self._loss(micro, padded, total_tokens, len(minibatch))
+                loss, stats = self._loss(micro, padded, total_tokens, len(minibatch), stale)
                 critic_loss = None
                 if self.critic is not None:
                     share = micro.num_completion_tokens / total_tokens
@@ -167,11 +176,19 @@ class Learner:
                 param.grad = torch.zeros_like(param)
 
     def _loss(
-        self, micro: RolloutBatch, padded: PaddedBatch, total_tokens: float, minibatch_size: int
+        self,
+        micro: RolloutBatch,
+        padded: PaddedBatch,
+        total_tokens: float,
+        minibatch_size: int,
+        stale: StaleCorrection | None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         knobs = self.knobs
         # The entropy is reported, not optimized: the chunked head computes it on the way.
         logprobs, entropy = self._scores(self.model, micro, padded, entropy=True)
+        old_logprobs, advantages, stale_stats = padded.old_logprobs, padded.advantages, {}
+        if stale is not None:
+            old_logprobs, advantages, stale_stats = _corrected(logprobs, padded, stale)
         ref_logprobs = None
         if self.reference is not None and knobs.kl_coef > 0:
             with torch.no_grad():
@@ -179,8 +196,8 @@ class Learner:
         mode, scale = _accumulating(knobs.loss_aggregation, len(padded.advantages), minibatch_size)
         loss, stats = grpo_loss(
             logprobs,
-            padded.old_logprobs,
-            padded.advantages,
+            old_logprobs,
+            advantages,
             padded.completion_mask,
             ref_logprobs=ref_logprobs,
             clip_low=knobs.clip_ratio_low,
@@ -193,7 +210,7 @@ class Learner:
             max_new_tokens=knobs.max_new_tokens,
             entropy=entropy,
         )
-        return loss * scale, stats
+        return loss * scale, {**stats, **stale_stats}
 
     def completion_logprobs(
         self, model: torch.nn.Module, micro: RolloutBatch, padded: PaddedBatch
@@ -257,6 +274,20 @@ class Learner:
         limit = self.knobs.max_grad_norm
         norm = torch.nn.utils.clip_grad_norm_(params, limit if limit is not None else float("inf"))
         return transport.local_value(norm)  # a sharded model's norm is a DTensor
+
+
+def _corrected(
+    logprobs: torch.Tensor, padded: PaddedBatch, stale: StaleCorrection
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """A stale micro batch's old log-probs and advantages [B, K] for the clipped loss, and the
+    correction's metrics: the old log-probs are the trained policy's, detached (the ratio starts
+    at 1; padding keeps the batch's), the advantages weighed against the engine's log-probs."""
+    mask = padded.completion_mask
+    weights, stats = stale_correction(logprobs, padded.old_logprobs, mask, stale.mode, stale.bound)
+    old = torch.where(mask.bool(), logprobs.detach(), padded.old_logprobs)
+    advantages = padded.advantages
+    advantages = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    return old, advantages * weights, stats
 
 
 def _host_values(values: torch.Tensor) -> list[float]:
