@@ -37,9 +37,17 @@ CASES = {
         {"storage": {"backend": "postgres", "postgres_dsn": "env:ROLLOUT_TEST_UNSET_DSN"}},
         "storage.postgres_dsn",
     ),
-    "several nodes on a SQLite store": (
-        {"cluster": {"device": "cpu", "nnodes": 2, "rdzv_endpoint": "node0.example:29500"}},
-        "storage.backend",
+    "restarts on several nodes": (
+        {
+            "cluster": {
+                "device": "cpu",
+                "nnodes": 2,
+                "rdzv_endpoint": "node0.example:29500",
+                "placement": {"actor": [0], "learner": [1]},
+                "max_restarts": 2,
+            }
+        },
+        "cluster.max_restarts",
     ),
     "several nodes without an endpoint": (
         {"cluster": {"device": "cpu", "nnodes": 2}},
@@ -130,7 +138,7 @@ def test_the_planner_refuses_what_run_cannot_do(case, config_file, base_config):
 
 # Cases the executor's preflight asks again of the plan.lock it is handed.
 PREFLIGHT = [
-    "several nodes on a SQLite store",
+    "restarts on several nodes",
     "split placement",
     "staleness with colocated roles",
     "artifacts in one process's memory",
