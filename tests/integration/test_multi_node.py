@@ -68,22 +68,26 @@ def plan_two_nodes(
     return lock, port
 
 
-def processes_of(marker: str) -> list[psutil.Process]:
-    """Live processes (not zombies) whose command line mentions `marker` (a run's name)."""
+def processes_of(workdir: Path, marker: str) -> list[psutil.Process]:
+    """Live processes (not zombies) started in this test's `workdir` whose command line mentions
+    `marker` (a run's name). The working directory keeps out other processes that happen to carry
+    the same word (a CI harness's own script once did)."""
     found = []
-    for process in psutil.process_iter(["cmdline", "status"]):
+    for process in psutil.process_iter(["cmdline", "status", "cwd"]):
         if process.pid == os.getpid() or process.info["status"] == psutil.STATUS_ZOMBIE:
             continue
+        if process.info["cwd"] != os.path.realpath(workdir):
+            continue  # not started by this test (or not ours to read: cwd is None)
         if marker in " ".join(process.info["cmdline"] or []):
             found.append(process)
     return found
 
 
-def assert_none_left(marker: str, within_s: float = 15.0) -> None:
+def assert_none_left(workdir: Path, marker: str, within_s: float = 15.0) -> None:
     deadline = time.monotonic() + within_s
-    while processes_of(marker) and time.monotonic() < deadline:
+    while processes_of(workdir, marker) and time.monotonic() < deadline:
         time.sleep(0.2)
-    left = [(p.pid, " ".join(p.cmdline())[:160]) for p in processes_of(marker)]
+    left = [(p.pid, " ".join(p.cmdline())[:160]) for p in processes_of(workdir, marker)]
     assert not left, f"processes of the run outlived it: {left}"
 
 
@@ -114,7 +118,7 @@ def test_two_nodes_train_one_run_that_node_0_owns(workdir, postgres_location):
     assert state["cursor"]["1"]["position"] == state["cursor"]["0"]["position"] > 0
     assert (Path(record.run_dir) / "torchrun-node-1.log").exists()
     store.close()
-    assert_none_left("two-nodes")
+    assert_none_left(workdir, "two-nodes")
 
 
 def test_two_nodes_on_sqlite_forward_node_1s_records_into_node_0s_file(workdir):
@@ -147,7 +151,7 @@ def test_two_nodes_on_sqlite_forward_node_1s_records_into_node_0s_file(workdir):
     assert int(said.split()[1]) >= len(node_1)  # rank 1's lines came the forwarded way
     store.close()
     assert not (workdir / "runs" / "rollout.db").exists()  # nobody opened a store elsewhere
-    assert_none_left("sqlite-nodes")
+    assert_none_left(workdir, "sqlite-nodes")
 
 
 def test_an_actor_on_node_0_and_its_learner_on_node_1_train_one_run(workdir):
@@ -176,7 +180,7 @@ def test_an_actor_on_node_0_and_its_learner_on_node_1_train_one_run(workdir):
     roles = {(row.rank, row.role) for row in store.logs(record.run_id, limit=5000)}
     assert (1, "learner") in roles and any(rank == 0 for rank, _ in roles)
     store.close()
-    assert_none_left("split-nodes")
+    assert_none_left(workdir, "split-nodes")
 
 
 def test_a_cancel_on_a_sqlite_run_reaches_the_joining_node_through_node_0s_board(workdir):
@@ -211,7 +215,7 @@ def test_a_cancel_on_a_sqlite_run_reaches_the_joining_node_through_node_0s_board
     store, record = the_run(f"sqlite:{sqlite_path}")
     assert record.status == "stopped" and (record.last_step or 0) < 50
     store.close()
-    assert_none_left("sqlite-cancel")
+    assert_none_left(workdir, "sqlite-cancel")
 
 
 def test_a_rendezvous_missing_a_node_fails_within_its_timeout_naming_it(workdir, postgres_location):
@@ -229,13 +233,13 @@ def test_a_rendezvous_missing_a_node_fails_within_its_timeout_naming_it(workdir,
     store, record = the_run(postgres_location)
     assert record.status == "failed" and "did not meet" in (record.error or "")
     store.close()
-    assert_none_left("alone")
+    assert_none_left(workdir, "alone")
 
     # And node 1 alone: it never reaches node 0, says so, and leaves nothing either.
     joining = rollout(workdir, "run", "--plan", str(lock), "--node-rank", "1", timeout=120)
     assert joining.returncode == 1, joining.stdout + joining.stderr
     assert "node 1 could not reach node 0" in " ".join(joining.stderr.split())
-    assert_none_left("alone")
+    assert_none_left(workdir, "alone")
 
 
 def test_a_joining_node_killed_mid_run_leaves_nothing_and_node_0_fails_the_run(
@@ -254,7 +258,7 @@ def test_a_joining_node_killed_mid_run_leaves_nothing_and_node_0_fails_the_run(
             if runs and (runs[0].last_step or 0) >= 1:
                 break
         time.sleep(0.5)
-    workers = [p for p in processes_of("killed") if p.pid not in (joining.pid, owner.pid)]
+    workers = [p for p in processes_of(workdir, "killed") if p.pid not in (joining.pid, owner.pid)]
     joining.send_signal(signal.SIGKILL)  # node 1's host dies; its torchrun and worker with it
     joining.wait()
     _, owner_err = owner.communicate(timeout=120)
@@ -262,7 +266,7 @@ def test_a_joining_node_killed_mid_run_leaves_nothing_and_node_0_fails_the_run(
     store, record = the_run(postgres_location)
     assert record.status == "failed" and record.error
     store.close()
-    assert_none_left("killed")
+    assert_none_left(workdir, "killed")
     assert len(workers) >= 4  # two torchrun agents and two workers were there to outlive it
 
 
@@ -293,4 +297,4 @@ def test_a_stalled_rank_ends_the_run_after_the_collective_timeout_naming_rank_ro
     assert "cluster.collective_timeout_s = 4 s" in error
     assert "Last seen: rank 1 (actor+reward+learner) at step 2 inside reward 'stall'" in error
     assert took < 100, took  # not the 120 s rank 1 would have stalled for
-    assert_none_left("stalled")
+    assert_none_left(workdir, "stalled")
