@@ -23,6 +23,11 @@ class RunConfig(TypedDict):
     """Sampling settings (online algorithms only)."""
     rewards: NotRequired[list[RewardSpec]]
     """Reward functions, combined by weight (online algorithms only)."""
+    environment: NotRequired[EnvironmentSection | None]
+    """What the model talks to in multi-turn episodes (online algorithms). Without it, each
+    prompt gets one answer, scored by [[rewards]].
+
+    Default: None."""
     cluster: NotRequired[ClusterSection]
     """Nodes, processes, devices and role placement."""
     storage: NotRequired[StorageSection]
@@ -234,6 +239,51 @@ class DpoConfig(TypedDict):
     """Conservative DPO: assumed probability that a preference label is flipped.
 
     Range: ≥ 0, < 0.5. Default: 0.0."""
+
+class EnvironmentSection(TypedDict):
+    name: NotRequired[str]
+    """The environment: a built-in ('single_turn': one answer scored by [[rewards]], what runs
+    without this section; 'guess_number': a multi-turn guessing game; 'gymnasium': a Gymnasium
+    environment with text observations), 'package.module:Class', './file.py:Class' (relative
+    to the config file), or an entry point in the 'rollout.environments' group. It is called
+    once as name(**options) and returns an object with reset(rows, seed=) and step(episodes,
+    actions) (see docs/environments.md).
+
+    Default: 'single_turn'."""
+    options: NotRequired[dict[str, Any]]
+    """Keyword arguments the environment is built with ('single_turn' takes none)."""
+    max_turns: NotRequired[int]
+    """Most answers the model gives in one episode; the episode ends there if the environment has
+    not ended it.
+
+    Range: ≥ 1, ≤ 64. Default: 1."""
+    max_observation_tokens: NotRequired[int]
+    """Most tokens one environment message may take in the context (the chat template's turn
+    markers included); a longer one is cut. With max_turns, generation.max_prompt_tokens and
+    generation.max_new_tokens it sets the episode's context budget, which the plan checks
+    against the model's context length.
+
+    Range: ≥ 1. Default: 64."""
+    advantage: NotRequired[Literal["episode", "turn"]]
+    """'episode': every answer of an episode gets the episode's advantage (its return against its
+    group's); 'turn': each answer gets the return from its turn on, against the group's mean
+    return.
+
+    Default: 'episode'."""
+    timeout_s: NotRequired[float]
+    """Longest one reset or step call may take for the whole batch.
+
+    Range: > 0. Default: 30.0."""
+    on_error: NotRequired[Literal["stop", "fail_episode"]]
+    """When the environment raises, hangs past timeout_s or returns something malformed: 'stop'
+    ends the step with an error naming the environment and episode; 'fail_episode' ends the
+    episodes concerned with failure_reward and logs why (a failing reset always stops).
+
+    Default: 'stop'."""
+    failure_reward: NotRequired[float]
+    """The return of an episode its environment failed (on_error = 'fail_episode').
+
+    Default: 0.0."""
 
 class FieldMap(TypedDict):
     """Which record field plays which part. Unset parts are not used."""

@@ -172,3 +172,44 @@ def reinforce_pp_advantages(
         raise ValueError(f"baseline must be 'none' or 'group', got {baseline!r}")
     shaped = kl_shaped_rewards(rewards, kl, mask, kl_coef=kl_coef)
     return whiten(discounted_returns(shaped, mask, gamma=gamma), mask)
+
+
+def turn_advantages(
+    returns_to_go: Tensor,
+    group_size: int,
+    *,
+    baseline: Literal["mean", "leave_one_out"] = "mean",
+    scale: RewardScale = "group",
+    eps: float = 1e-6,
+) -> Tensor:
+    """Per-turn advantages of multi-turn episodes: each answer's return from its turn on, against
+    a baseline and scale taken from the episodes' whole returns.
+
+    returns_to_go: [E, T] float, E episodes in groups of G (as rewards above), T the most turns;
+    column 0 is each episode's return. Columns past an episode's last turn are ignored (any
+    value). Returns [E, T]: ``(R[i, t] - b_i) / s``, where b_i is the group's mean return
+    ("mean", GRPO) or the mean of the other G - 1 ("leave_one_out", RLOO, which never scales),
+    and s the std as group_advantages takes it. With one turn this is exactly group_advantages
+    (or rloo_advantages) of the returns.
+    """
+    if returns_to_go.dim() != 2:
+        raise ValueError(f"returns_to_go must be 2-D [E, T], got {tuple(returns_to_go.shape)}")
+    returns = returns_to_go[:, 0]
+    grouped = _grouped(returns, group_size)
+    if baseline == "mean":
+        base = grouped.mean(dim=1, keepdim=True).expand_as(grouped)
+    elif baseline == "leave_one_out":
+        base = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+        scale = "none"
+    else:
+        raise ValueError(f"baseline must be 'mean' or 'leave_one_out', got {baseline!r}")
+    centred = returns_to_go - base.flatten()[:, None]
+    if scale == "none":
+        return centred
+    if scale == "group":
+        std = grouped.std(dim=1, keepdim=True).expand_as(grouped).flatten()[:, None]
+    elif scale == "batch":
+        std = returns.std()
+    else:
+        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+    return centred / (std + eps)

@@ -9,6 +9,7 @@ from rollout.config.base import ConfigModel
 from rollout.config.checkpoint import CheckpointSection
 from rollout.config.cluster import ClusterSection
 from rollout.config.data import DataSection
+from rollout.config.environment import EnvironmentSection
 from rollout.config.generation import GenerationSection
 from rollout.config.logging import LoggingSection
 from rollout.config.model import ModelSection
@@ -35,6 +36,11 @@ class RunConfig(ConfigModel):
     rewards: list[RewardSpec] = Field(
         default_factory=list,
         description="Reward functions, combined by weight (online algorithms only).",
+    )
+    environment: EnvironmentSection | None = Field(
+        default=None,
+        description="What the model talks to in multi-turn episodes (online algorithms). Without "
+        "it, each prompt gets one answer, scored by [[rewards]].",
     )
     cluster: ClusterSection = Field(
         default_factory=ClusterSection, description="Nodes, processes, devices and role placement."

@@ -527,7 +527,7 @@ def system_prompt_needs_the_chat_template(config: RunConfig) -> Iterator[Issue]:
 @rule("algorithm", "rewards")
 def rewards_match_algorithm(config: RunConfig) -> Iterator[Issue]:
     kind = config.algorithm.kind
-    if kind in ONLINE_KINDS and not config.rewards:
+    if kind in ONLINE_KINDS and not config.rewards and not _multi_turn(config):
         yield Issue(
             "rewards",
             f"{kind} learns from rewards but none are configured",
@@ -562,6 +562,84 @@ def rewards_match_algorithm(config: RunConfig) -> Iterator[Issue]:
                 hint=f'set a distinct name, e.g. name = "{name}_{i}"',
             )
         seen.setdefault(name, i)
+
+
+def _multi_turn(config: RunConfig) -> bool:
+    return config.environment is not None and not config.environment.is_single_turn
+
+
+# --- environment ------------------------------------------------------------------------------
+
+MULTI_TURN_KINDS = ("grpo", "rloo")
+"""Kinds whose advantages are per sequence: an episode's tokens share them (PPO's and
+REINFORCE++'s per-token returns over environment tokens are not built yet)."""
+
+
+@rule("environment", "algorithm", "rewards", "data", "cluster")
+def environment_fits_the_run(config: RunConfig) -> Iterator[Issue]:
+    env, kind = config.environment, config.algorithm.kind
+    if env is None:
+        return
+    if kind not in ONLINE_KINDS:
+        yield Issue(
+            "environment",
+            f"{kind} trains on a fixed dataset: it has no episodes for an environment",
+            hint="remove [environment], or use grpo or rloo",
+        )
+        return
+    if env.is_single_turn:
+        if env.max_turns != 1:
+            yield Issue(
+                "environment.max_turns",
+                "the single_turn environment ends every episode after one answer",
+                value=env.max_turns,
+                hint="remove max_turns, or name a multi-turn environment",
+            )
+        if env.options:
+            yield Issue(
+                "environment.options",
+                "the single_turn environment takes no options: it scores with [[rewards]]",
+                hint="remove environment.options",
+            )
+        return
+    if kind not in MULTI_TURN_KINDS:
+        yield Issue(
+            "environment.name",
+            f"{kind} does not train on multi-turn episodes yet (its per-token returns would run "
+            "over the environment's tokens)",
+            value=env.name,
+            hint="use algorithm.kind = 'grpo' or 'rloo'",
+        )
+    if config.rewards:
+        yield Issue(
+            "rewards",
+            f"the environment {env.name!r} gives the episode's rewards: [[rewards]] would be "
+            "ignored",
+            hint="remove the [[rewards]] entries (score inside the environment), or use "
+            "environment.name = 'single_turn'",
+        )
+    if not config.data.use_chat_template:
+        yield Issue(
+            "data.use_chat_template",
+            "a multi-turn episode is a conversation: the environment's messages are user turns "
+            "of the model's chat template",
+            value=False,
+            hint="set data.use_chat_template = true (and model.chat_template if the model has "
+            "none)",
+        )
+    if config.cluster.placement is not None:
+        yield Issue(
+            "cluster.placement",
+            "multi-turn environments run with every role in each process (colocated) for now",
+            hint="remove cluster.placement",
+        )
+    if config.data.eval is not None:
+        yield Issue(
+            "data.eval",
+            "evaluation scores single answers with [[rewards]]; multi-turn episodes are not "
+            "evaluated during training yet",
+            hint="remove data.eval (set data.eval = null with --set)",
+        )
 
 
 @rule("rewards")

@@ -9,17 +9,16 @@ problem.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import inspect
 import math
-import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
+from rollout.harness.deadline import Overran, Raised, call_with_deadline
 from rollout.harness.reward_contract import (
     RewardError,
     RewardFunction,
@@ -99,34 +98,27 @@ def _run(
 def _call(
     function: RewardFunction, prompts: list[str], completions: list[str], kwargs: dict[str, Any]
 ) -> Any:
-    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-    def work() -> None:
-        try:
-            future.set_result(function.fn(prompts, completions, **kwargs))
-        except BaseException as exc:  # whatever happens, the waiting side hears of it
-            future.set_exception(exc)
-
-    # Python cannot kill a thread: a hung plugin keeps its thread, and the RewardError below stops
-    # the run instead. A daemon thread rather than a ThreadPoolExecutor, whose workers are joined
-    # at interpreter exit, so that thread cannot also keep the stopped process alive.
-    threading.Thread(target=work, name=f"reward-{function.name}", daemon=True).start()
-    done, _ = concurrent.futures.wait([future], timeout=function.timeout_s)
-    if not done:
+    # A hung plugin keeps its thread (see rollout.harness.deadline); the RewardError stops the run.
+    try:
+        return call_with_deadline(
+            lambda: function.fn(prompts, completions, **kwargs),
+            function.timeout_s,
+            name=f"reward-{function.name}",
+        )
+    except Overran:
         raise RewardError(
             f"reward {function.name!r} did not return within {function.timeout_s:g} s for "
             f"{len(completions)} completions; make it faster or raise its timeout_s",
             reward=function.name,
-        )
-    error = future.exception()
-    if error is not None:
+        ) from None
+    except Raised as raised:
+        error = raised.error
         where = _plugin_frame(error, function.fn)
         at = f" at {where}" if where else ""
         raise RewardError(
             f"reward {function.name!r} raised {type(error).__name__}: {error}{at}",
             reward=function.name,
         ) from error
-    return future.result()
 
 
 def _columns(rows: list[Mapping[str, Any]]) -> dict[str, list[Any]]:

@@ -8,6 +8,7 @@ are the graph and the memory estimate built.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import math
 import platform
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 
 from rollout.config import load_config
 from rollout.config.algorithm import ONLINE_KINDS, PAIRED_PREFERENCE_KINDS
+from rollout.config.environment import episode_tokens
 from rollout.config.generation import GenerationSection
 from rollout.config.rewards import RewardSpec
 from rollout.config.root import RunConfig
@@ -101,6 +103,7 @@ def build_plan(
     data = _inspect_all_data(run_config, base, issues, model)
     fields = _reward_fields(run_config, data)
     rewards = _resolve_rewards(run_config, base, fields, issues)
+    environment = _resolve_environment(run_config, base, issues)
     device = _resolve_device(run_config, hardware, issues)
     if model is not None:
         issues.extend(_context_issues(run_config, model))
@@ -148,6 +151,7 @@ def build_plan(
         config=run_config,
         derived=derived,
         rewards=rewards,
+        environment=environment,
         model=model,
         data=data,
         hardware=hardware,
@@ -273,9 +277,73 @@ def _resolve_rewards(
                 ref=spec.fn,
             )
         )
-    if readers is not None and config.algorithm.kind in ONLINE_KINDS:
+    # An environment gets every field of its rows (what it reads is its own business).
+    if readers is not None and config.algorithm.kind in ONLINE_KINDS and not _plays(config):
         issues.extend(_unread_roles(config, readers))
     return records
+
+
+def _resolve_environment(
+    config: RunConfig, base: Path, issues: list[Issue]
+) -> PluginIdentity | None:
+    """What [environment] names, imported once here; its options checked against its signature
+    (and a built-in built with them, so a bad value fails now rather than at step 1)."""
+    from rollout.harness.environments import BUILTIN_ENVIRONMENTS, SINGLE_TURN
+    from rollout.harness.environments.single_turn import SingleTurn
+    from rollout.plugins.probe import probe_imports
+    from rollout.plugins.resolve import import_probe, resolve_plugin
+
+    spec = config.environment
+    if spec is None or config.algorithm.kind not in ONLINE_KINDS:
+        return None
+    builtins = {**BUILTIN_ENVIRONMENTS, SINGLE_TURN: SingleTurn}
+    where = {"base_dir": base, "used_by": "environment.name", "builtins": builtins}
+    probe = import_probe(spec.name, group="rollout.environments", **where)
+    failed = probe_imports([probe] if probe is not None else [])
+    if failed:
+        issues.extend(failed.values())
+        return None
+    resolved = _collect(
+        issues, lambda: resolve_plugin(spec.name, group="rollout.environments", **where)
+    )
+    if resolved is None or spec.is_single_turn:
+        return resolved.identity if resolved is not None else None
+    try:
+        inspect.signature(resolved.fn).bind(**spec.options)
+    except TypeError as error:
+        issues.append(
+            Issue(
+                "environment.options",
+                f"{spec.name} cannot be built with these options: {error}",
+                value=spec.options,
+                hint="pass only the keyword arguments it takes (see its signature or docs)",
+            )
+        )
+        return None
+    except ValueError:
+        pass  # a callable without a signature (a C extension type): built at run time
+    if spec.name in BUILTIN_ENVIRONMENTS:
+        try:
+            built = resolved.fn(**spec.options)
+        except (ValueError, TypeError, ImportError) as error:
+            issues.append(
+                Issue(
+                    "environment.options",
+                    str(error),
+                    value=spec.options,
+                    hint="see docs/environments.md for its options",
+                )
+            )
+            return None
+        close = getattr(built, "close", None)
+        if callable(close):
+            close()
+    return resolved.identity
+
+
+def _plays(config: RunConfig) -> bool:
+    """Whether the run plays a multi-turn environment (which, not [[rewards]], gets the rows)."""
+    return config.environment is not None and not config.environment.is_single_turn
 
 
 def _reward_model(spec: RewardSpec, base: Path, used_by: str) -> ModelRewardRecord:
@@ -432,7 +500,23 @@ def _thread_issues(config: RunConfig, hardware: HardwareFacts) -> list[Issue]:
 def _context_issues(config: RunConfig, model: ModelFacts) -> list[Issue]:
     limit = model.context_length
     if config.algorithm.kind in ONLINE_KINDS:
-        gen = config.generation
+        gen, env = config.generation, config.environment
+        if env is not None and env.max_turns > 1:
+            needed = episode_tokens(gen.max_prompt_tokens, gen.max_new_tokens, env)
+            if needed <= limit:
+                return []
+            return [
+                Issue(
+                    "environment.max_turns",
+                    f"an episode can grow to {needed} tokens (max_prompt_tokens "
+                    f"{gen.max_prompt_tokens} + max_turns {env.max_turns} x max_new_tokens "
+                    f"{gen.max_new_tokens} + {env.max_turns - 1} x max_observation_tokens "
+                    f"{env.max_observation_tokens}), past the model's context of {limit}",
+                    value=env.max_turns,
+                    hint="lower max_turns, max_new_tokens or max_observation_tokens until the "
+                    f"sum is at most {limit}",
+                )
+            ]
         needed = gen.max_prompt_tokens + gen.max_new_tokens
         if needed > limit:
             return [

@@ -239,6 +239,10 @@ class Plan(Frozen):
     config: RunConfig = Field(description="The resolved config, every default filled in.")
     derived: Derived
     rewards: list[RewardRecord] = Field(description="One record per config.rewards entry.")
+    environment: PluginIdentity | None = Field(
+        default=None,
+        description="What config.environment.name resolved to; None without [environment].",
+    )
     model: ModelFacts
     data: list[DataFacts]
     hardware: HardwareFacts
@@ -270,4 +274,5 @@ class Plan(Frozen):
     @property
     def plugins(self) -> list[PluginIdentity]:
         """The identity of every plugin the run calls: what freshness checks and explain read."""
-        return [reward.plugin for reward in self.rewards]
+        rewards = [reward.plugin for reward in self.rewards]
+        return rewards + ([self.environment] if self.environment is not None else [])

@@ -180,6 +180,8 @@ def base_config(kind: str) -> dict[str, Any]:
 REWARD_PLUGINS = '''
 import time
 
+from rollout.harness.environments.base import StepResult
+
 
 def answer_chars(prompts, completions, answer, **_):
     """The length of the answer a reward is given: shows which field data.fields.answer maps."""
@@ -189,6 +191,23 @@ def answer_chars(prompts, completions, answer, **_):
 def slow(prompts, completions, **_):
     time.sleep(0.1)
     return [0.0 for _ in completions]
+
+
+class Chars:
+    """Never done; each answer earns its length over 8; says a lot between answers; takes a
+    moment (so a tiny timeout_s is passed)."""
+
+    def reset(self, rows, *, seed):
+        return [str(row["prompt"]) for row in rows]
+
+    def step(self, episodes, actions):
+        time.sleep(0.05)
+        return [StepResult("keep going " * 20, reward=len(a) / 8) for a in actions]
+
+
+class Broken(Chars):
+    def step(self, episodes, actions):
+        raise RuntimeError("lost its board")
 '''
 
 TEMPLATE = (
@@ -526,6 +545,20 @@ def _reward_model_run(audit: Audit) -> str:
 
 
 REWARD_MODEL = {"rewards": [{"model": _reward_model_run}]}
+# Multi-turn episodes: the environment gives the rewards, and evaluation is single-turn only.
+CHARS = {
+    "environment": {"name": "./audit_rewards.py:Chars", "max_turns": 2},
+    "rewards": DELETE,
+    "data.eval": DELETE,
+}
+BROKEN_CONTAINED = {
+    **CHARS,
+    "environment": {
+        "name": "./audit_rewards.py:Broken",
+        "max_turns": 2,
+        "on_error": "fail_episode",
+    },
+}
 FSDP_MIXED = {
     "cluster.nproc_per_node": 2,
     "cluster.sharding": "fsdp",
@@ -883,6 +916,53 @@ SECTION_CASES: dict[str, list[Case]] = {
             "grpo", {"rewards[0].options": {"target_chars": 3}}, metric("reward/length_penalty")
         ),
         refused("grpo", {"rewards[0].options": {"scale": 2}}, base=REWARD_MODEL),
+    ],
+    "environment.name": [
+        run_shows(
+            "grpo",
+            {
+                "environment.name": "guess_number",
+                "environment.max_turns": 2,
+                "rewards": DELETE,
+                "data.eval": DELETE,
+            },
+            names_of("episode/"),
+        )
+    ],
+    "environment.options": [
+        refused("grpo", {"environment.options": {"high": 3}}, base=CHARS),  # Chars takes none
+    ],
+    "environment.max_turns": [
+        run_shows("grpo", {"environment.max_turns": 3}, metric("episode/turns_mean"), base=CHARS)
+    ],
+    "environment.max_observation_tokens": [
+        run_shows(
+            "grpo",
+            {"environment.max_observation_tokens": 16},
+            metric("episode/tokens_mean"),
+            base=CHARS,
+        )
+    ],
+    "environment.advantage": [run_shows("grpo", {"environment.advantage": "turn"}, base=CHARS)],
+    "environment.timeout_s": [
+        run_shows("grpo", {"environment.timeout_s": 0.01}, timed_out, base=CHARS, fails=True)
+    ],
+    "environment.on_error": [
+        run_shows(
+            "grpo",
+            {"environment.on_error": "stop"},
+            lambda run: "lost its board" in (run.error or ""),
+            base=BROKEN_CONTAINED,
+            fails=True,
+        )
+    ],
+    "environment.failure_reward": [
+        run_shows(
+            "grpo",
+            {"environment.failure_reward": -1.0},
+            metric("reward/mean"),
+            base=BROKEN_CONTAINED,
+        )
     ],
     "rewards[].timeout_s": [
         run_shows("grpo", {"rewards[1].timeout_s": 0.02}, timed_out, base=SLOW_REWARD, fails=True),

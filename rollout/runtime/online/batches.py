@@ -37,12 +37,19 @@ class RolloutBatch:
     """[B][completion_len_i]: the critic's values when the batch was scored (PPO)."""
     returns: list[list[float]] | None = None
     """[B][completion_len_i]: the critic's targets (PPO)."""
+    loss_mask: list[list[int]] | None = None
+    """[B][completion_len_i]: 1 where the model wrote the token (it is trained on), 0 where the
+    environment did (a multi-turn episode's messages: context only); None: every completion
+    token is the model's."""
 
     def __len__(self) -> int:
         return len(self.completion_ids)
 
     @property
     def num_completion_tokens(self) -> int:
+        """Tokens the loss is over: the model's own (an environment's are not trained on)."""
+        if self.loss_mask is not None:
+            return sum(sum(row) for row in self.loss_mask)
         return sum(len(c) for c in self.completion_ids)
 
     def select(self, indices: list[int]) -> RolloutBatch:
@@ -59,10 +66,11 @@ class RolloutBatch:
             token_advantages=_pick(self.token_advantages, indices),
             old_values=_pick(self.old_values, indices),
             returns=_pick(self.returns, indices),
+            loss_mask=_pick(self.loss_mask, indices),
         )
 
 
-def _pick(rows: list[list[float]] | None, indices: list[int]) -> list[list[float]] | None:
+def _pick(rows: list[list[Any]] | None, indices: list[int]) -> list[list[Any]] | None:
     return None if rows is None else [rows[i] for i in indices]
 
 
@@ -116,6 +124,11 @@ def pad_for_learner(batch: RolloutBatch, pad_id: int, device: torch.device | str
             old[i, longest - len(logprobs) :] = torch.tensor(
                 logprobs, dtype=torch.float32, device="cpu"
             )
+    # Log-probs are computed at every completion position (an environment's tokens too: the
+    # model reads them), the loss only where the model wrote.
+    rows_scored = completion.flatten().nonzero().squeeze(1)
+    if batch.loss_mask is not None:
+        completion = pad_left(batch.loss_mask, longest).bool()
     # Positions count real tokens only, as the engine's did when it sampled with left padding.
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     advantages = batch.advantages
@@ -131,7 +144,7 @@ def pad_for_learner(batch: RolloutBatch, pad_id: int, device: torch.device | str
         advantages=advantages.to(device),
         old_values=_pad_optional(batch.old_values, longest, device),
         returns=_pad_optional(batch.returns, longest, device),
-        completion_rows=completion.flatten().nonzero().squeeze(1),
+        completion_rows=rows_scored,
     )
 
 
@@ -166,6 +179,8 @@ def to_wire(batch: RolloutBatch) -> tuple[dict[str, Any], list[torch.Tensor]]:
     scores it per token, so it has no token advantages, values or returns yet."""
     if batch.token_advantages is not None or batch.old_values is not None:
         raise ValueError("a batch crosses to the learner before it is scored per token")
+    if batch.loss_mask is not None:
+        raise ValueError("multi-turn batches do not cross processes yet (the plan refuses them)")
     header = {
         "group_size": batch.group_size,
         "policy_version": batch.policy_version,
@@ -204,6 +219,8 @@ def from_wire(header: dict[str, Any], tensors: list[torch.Tensor]) -> RolloutBat
 def concat(parts: list[RolloutBatch]) -> RolloutBatch:
     """Batches one after another (shares of one step, from several actors)."""
     first = parts[0]
+    if any(part.loss_mask is not None for part in parts):
+        raise ValueError("multi-turn batches do not cross processes yet (the plan refuses them)")
     return RolloutBatch(
         prompt_ids=[row for part in parts for row in part.prompt_ids],
         completion_ids=[row for part in parts for row in part.completion_ids],

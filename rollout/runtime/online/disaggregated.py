@@ -72,7 +72,9 @@ def _act(ctx: WorkerContext, groups: weight_sync.Groups) -> None:
     kind = ALGORITHMS[plan.config.algorithm.kind]
     loaded, model, _ = colocated._load_policy(ctx)
     engine = colocated._build_engine(ctx, loaded, model)
-    actor = colocated._build_actor(ctx, engine, colocated._prompt_format(plan.config, loaded), kind)
+    actor = colocated._build_actor(
+        ctx, engine, colocated._prompt_format(plan.config, loaded), kind, loaded
+    )
     index = groups.actors.index(ctx.rank)
     # One actor takes every prompt; several share each step's through the work queue.
     queued = len(groups.actors) > 1

@@ -15,25 +15,32 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rollout.algorithms.advantages import turn_advantages
+from rollout.config.environment import episode_tokens
 from rollout.engines.base import Engine, SamplingParams
 from rollout.engines.build import build_engine
 from rollout.engines.hf.engine import HfEngine
+from rollout.harness.environments.runner import EnvironmentRunner
+from rollout.harness.environments.single_turn import SingleTurn
 from rollout.harness.reward_runner import RewardRunner
 from rollout.models.loading import LoadedModel, apply_chat_template, load_model
 from rollout.models.lora import Adapters, add_adapters
 from rollout.planner.definition import Plan
 from rollout.planner.placement import is_disaggregated
+from rollout.plugins.resolve import load_plugin
 from rollout.runtime.checkpoint import Extra
 from rollout.runtime.components import build_optimizer, build_reward_functions, build_scheduler
 from rollout.runtime.context import WorkerContext
 from rollout.runtime.online.actor import Actor, PromptFormat
 from rollout.runtime.online.algorithms import ALGORITHMS, OnlineAlgorithm
 from rollout.runtime.online.critic import Critic, value_model_for
+from rollout.runtime.online.episodes import EpisodeActor, EpisodeSettings, TurnFormat
 from rollout.runtime.online.evaluate import evaluate
 from rollout.runtime.online.learner import Learner, LearnerKnobs
 from rollout.runtime.online.prompts import load_data
@@ -50,7 +57,7 @@ log = logging.getLogger("rollout.trainer")
 
 @dataclass
 class Roles:
-    actor: Actor
+    actor: Actor | EpisodeActor
     learner: Learner
     engine: Engine
     tokenizer: object
@@ -177,7 +184,7 @@ def _build_roles(ctx: WorkerContext) -> Roles:
     loaded, model, adapters = _load_policy(ctx)
     engine = _build_engine(ctx, loaded, model)
     prompt_format = _prompt_format(plan.config, loaded)
-    actor = _build_actor(ctx, engine, prompt_format, kind)
+    actor = _build_actor(ctx, engine, prompt_format, kind, loaded)
     # The reference is the policy as it starts: copied before any checkpoint is loaded, or with
     # LoRA the policy with its adapters off (the base weights never move).
     reference = None
@@ -239,24 +246,70 @@ def _prompt_format(config: Any, loaded: LoadedModel) -> PromptFormat:
 
 
 def _build_actor(
-    ctx: WorkerContext, engine: Engine, prompt_format: PromptFormat, kind: OnlineAlgorithm
-) -> Actor:
+    ctx: WorkerContext,
+    engine: Engine,
+    prompt_format: PromptFormat,
+    kind: OnlineAlgorithm,
+    loaded: LoadedModel,
+) -> Actor | EpisodeActor:
+    """The single-turn actor; with [environment], the episode actor playing it."""
     plan = ctx.plan
     algo, gen = plan.config.algorithm, plan.config.generation
-    return Actor(
+    rewards = RewardRunner(build_reward_functions(plan), guard=_inside_reward(ctx))
+    params = SamplingParams(
+        max_new_tokens=gen.max_new_tokens,
+        temperature=gen.temperature,
+        top_p=gen.top_p,
+        top_k=gen.top_k,
+        stop=tuple(gen.stop),
+        n=algo.num_generations,
+    )
+    advantage = kind.sequence_advantages(algo)
+    spec = plan.config.environment
+    if spec is None:
+        return Actor(engine, prompt_format, rewards, advantage, params)
+    assert plan.environment is not None  # the planner resolves what the config names
+    if spec.is_single_turn:
+        environment = SingleTurn(
+            lambda prompts, completions, rows: rewards.score(prompts, completions, rows).total,
+            prompt_format.prompt_field,
+        )
+    else:
+        environment = load_plugin(plan.environment)(**spec.options)
+    return EpisodeActor(
+        rewards,
         engine,
         prompt_format,
-        RewardRunner(build_reward_functions(plan), guard=_inside_reward(ctx)),
-        kind.sequence_advantages(algo),
-        SamplingParams(
-            max_new_tokens=gen.max_new_tokens,
-            temperature=gen.temperature,
-            top_p=gen.top_p,
-            top_k=gen.top_k,
-            stop=tuple(gen.stop),
-            n=algo.num_generations,
+        EnvironmentRunner(
+            environment, name=spec.name, timeout_s=spec.timeout_s, on_error=spec.on_error
+        ),
+        TurnFormat(
+            loaded.tokenizer,
+            loaded.chat_template,
+            plan.config.data.system_prompt,
+            frozenset(loaded.eos_token_ids),
+        ),
+        advantage,
+        partial(
+            turn_advantages,
+            baseline="leave_one_out" if algo.kind == "rloo" else "mean",
+            scale=getattr(algo, "scale_rewards", "none"),
+        ),
+        params,
+        EpisodeSettings(
+            max_turns=spec.max_turns,
+            max_prompt_tokens=gen.max_prompt_tokens,
+            max_observation_tokens=spec.max_observation_tokens,
+            advantage=spec.advantage,
+            failure_reward=spec.failure_reward,
         ),
     )
+
+
+def _answer_budget(config: Any) -> int:
+    """The most tokens the model writes in one sequence: every answer of an episode."""
+    turns = config.environment.max_turns if config.environment is not None else 1
+    return turns * config.generation.max_new_tokens
 
 
 def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -299,7 +352,7 @@ def _build_learner(
             loss_aggregation=algo.loss_aggregation,
             max_grad_norm=algo.max_grad_norm,
             temperature=derived.logprob_temperature,
-            max_new_tokens=plan.config.generation.max_new_tokens,
+            max_new_tokens=_answer_budget(plan.config),
             autocast_dtype=autocast_dtype(derived.precision),
         ),
         pad_token_id=pad_token_id,
@@ -346,6 +399,7 @@ def _inside_reward(ctx: WorkerContext) -> Callable[[str], Any]:
 def _build_engine(ctx: WorkerContext, loaded, model: torch.nn.Module) -> Engine:
     plan, gen = ctx.plan, ctx.plan.config.generation
     vllm = gen.engine == "vllm"
+    context = episode_tokens(gen.max_prompt_tokens, gen.max_new_tokens, plan.config.environment)
     directory = None
     if vllm:
         # vLLM loads a model directory of its own: the policy as loaded (GGUF dequantized,
@@ -367,9 +421,9 @@ def _build_engine(ctx: WorkerContext, loaded, model: torch.nn.Module) -> Engine:
         model_dir=directory,
         dtype=plan.derived.dtype,
         gpu_memory_utilization=gen.gpu_memory_utilization,
-        max_model_len=gen.max_prompt_tokens + gen.max_new_tokens,
+        max_model_len=context,
         cuda_graphs=None if gen.cuda_graphs == "auto" else gen.cuda_graphs,
-        max_context=gen.max_prompt_tokens + gen.max_new_tokens,
+        max_context=context,
     )
 
 

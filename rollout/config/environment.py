@@ -1,0 +1,81 @@
+"""[environment]: what the model talks to in a multi-turn episode (online algorithms)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, Field
+
+from rollout.config.base import ConfigModel
+from rollout.config.rewards import PluginRef, check_options_are_finite
+
+SINGLE_TURN = "single_turn"
+
+
+class EnvironmentSection(ConfigModel):
+    name: PluginRef = Field(
+        default=SINGLE_TURN,
+        description="The environment: a built-in ('single_turn': one answer scored by "
+        "[[rewards]], what runs without this section; 'guess_number': a multi-turn guessing "
+        "game; 'gymnasium': a Gymnasium environment with text observations), "
+        "'package.module:Class', './file.py:Class' (relative to the config file), or an entry "
+        "point in the 'rollout.environments' group. It is called once as name(**options) and "
+        "returns an object with reset(rows, seed=) and step(episodes, actions) (see "
+        "docs/environments.md).",
+    )
+    options: Annotated[dict[str, Any], AfterValidator(check_options_are_finite)] = Field(
+        default_factory=dict,
+        description="Keyword arguments the environment is built with ('single_turn' takes none).",
+    )
+    max_turns: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Most answers the model gives in one episode; the episode ends there if the "
+        "environment has not ended it.",
+    )
+    max_observation_tokens: int = Field(
+        default=64,
+        ge=1,
+        description="Most tokens one environment message may take in the context (the chat "
+        "template's turn markers included); a longer one is cut. With max_turns, "
+        "generation.max_prompt_tokens and generation.max_new_tokens it sets the episode's "
+        "context budget, which the plan checks against the model's context length.",
+    )
+    advantage: Literal["episode", "turn"] = Field(
+        default="episode",
+        description="'episode': every answer of an episode gets the episode's advantage (its "
+        "return against its group's); 'turn': each answer gets the return from its turn on, "
+        "against the group's mean return.",
+    )
+    timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Longest one reset or step call may take for the whole batch.",
+    )
+    on_error: Literal["stop", "fail_episode"] = Field(
+        default="stop",
+        description="When the environment raises, hangs past timeout_s or returns something "
+        "malformed: 'stop' ends the step with an error naming the environment and episode; "
+        "'fail_episode' ends the episodes concerned with failure_reward and logs why (a failing "
+        "reset always stops).",
+    )
+    failure_reward: float = Field(
+        default=0.0,
+        allow_inf_nan=False,
+        description="The return of an episode its environment failed (on_error = 'fail_episode').",
+    )
+
+    @property
+    def is_single_turn(self) -> bool:
+        return self.name == SINGLE_TURN
+
+
+def episode_tokens(
+    max_prompt_tokens: int, max_new_tokens: int, environment: EnvironmentSection | None
+) -> int:
+    """The longest an episode's context can grow: its prompt, every answer, and every environment
+    message between two answers."""
+    turns = 1 if environment is None else environment.max_turns
+    observations = 0 if environment is None else (turns - 1) * environment.max_observation_tokens
+    return max_prompt_tokens + turns * max_new_tokens + observations

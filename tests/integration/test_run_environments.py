@@ -1,0 +1,117 @@
+"""Multi-turn runs for real: `rollout plan` and `rollout run` with [environment] on the tiny model,
+an environment plugin file next to the config, faults contained or stopping the run, and learning
+through episodes whose environment turns are masked out of the loss."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.driver import only_run, rollout
+
+pytestmark = pytest.mark.slow
+
+SEVENS_GAME = '''
+from rollout.harness.environments.base import StepResult
+
+
+class SevensGame:
+    """Two answers per episode; each earns the share of its characters that are '7'."""
+
+    def __init__(self, nudge="More sevens, please."):
+        self.nudge = nudge
+
+    def reset(self, rows, *, seed):
+        return [str(row["prompt"]) for row in rows]
+
+    def step(self, episodes, actions):
+        return [StepResult(self.nudge, reward=a.count("7") / max(1, len(a))) for a in actions]
+
+
+class Broken(SevensGame):
+    def step(self, episodes, actions):
+        raise RuntimeError("the game lost its board")
+'''
+
+MULTI_TURN = (
+    "rewards=[]",
+    "environment.name='./games.py:SevensGame'",
+    "environment.max_turns=2",
+    "environment.max_observation_tokens=24",
+    "data.eval=null",
+)
+
+
+def run_args(*settings: str) -> list[str]:
+    args = ["run", "--config", "examples/grpo-tiny.toml"]
+    for setting in (*MULTI_TURN, *settings):
+        args += ["--set", setting]
+    return args
+
+
+def test_multi_turn_grpo_raises_the_reward_of_its_episodes(workdir):
+    (workdir / "examples" / "games.py").write_text(SEVENS_GAME)
+    result = rollout(
+        workdir,
+        *run_args(
+            "algorithm.lr=3e-3",
+            "algorithm.max_steps=25",
+            "algorithm.rollout_batch_size=32",
+            "algorithm.num_generations=8",
+            "algorithm.minibatch_size=32",
+            "generation.max_new_tokens=8",
+            "checkpoint.interval=100",
+        ),
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    store, record = only_run(workdir)
+    rewards = [m.value for m in store.metrics(record.run_id, ["reward/mean"])]
+    turns = [m.value for m in store.metrics(record.run_id, ["episode/turns_mean"])]
+    assert len(rewards) == 25 and set(turns) == {2.0}  # every episode ran both turns
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.2, rewards  # a return is two turns' shares: up to 2
+
+
+def test_an_environment_that_raises_fails_the_run_naming_it(workdir):
+    (workdir / "examples" / "games.py").write_text(SEVENS_GAME)
+    result = rollout(
+        workdir, *run_args("environment.name='./games.py:Broken'", "algorithm.max_steps=2")
+    )
+    assert result.returncode == 1
+    assert "environment './games.py:Broken': step raised RuntimeError" in result.stderr
+    _, record = only_run(workdir)
+    assert record.status == "failed" and "the game lost its board" in record.error
+
+
+def test_with_fail_episode_a_raising_environment_scores_episodes_as_failed(workdir):
+    (workdir / "examples" / "games.py").write_text(SEVENS_GAME)
+    result = rollout(
+        workdir,
+        *run_args(
+            "environment.name='./games.py:Broken'",
+            "environment.on_error='fail_episode'",
+            "environment.failure_reward=-1.0",
+            "algorithm.max_steps=2",
+        ),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    store, record = only_run(workdir)
+    failed = [m.value for m in store.metrics(record.run_id, ["episode/failed_fraction"])]
+    rewards = [m.value for m in store.metrics(record.run_id, ["reward/mean"])]
+    assert failed == [1.0, 1.0] and rewards == [-1.0, -1.0]
+    logs = rollout(workdir, "logs", "tail", record.run_id)
+    assert "episode failed, scored -1" in logs.stdout and "lost its board" in logs.stdout
+
+
+def test_a_changed_environment_file_makes_the_plan_stale(workdir):
+    games = workdir / "examples" / "games.py"
+    games.write_text(SEVENS_GAME)
+    args = ["plan", "--config", "examples/grpo-tiny.toml", "-o", "env.lock"]
+    for setting in MULTI_TURN:
+        args += ["--set", setting]
+    planned = rollout(workdir, *args)
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    games.write_text(SEVENS_GAME + "\n# edited\n")
+    result = rollout(workdir, "run", "--plan", "env.lock")
+    assert result.returncode == 2
+    assert "games.py" in result.stderr and "environment.name" in result.stderr

@@ -1,0 +1,119 @@
+"""[environment] in the config and the plan: what validate refuses, what plan resolves and
+checks (the plugin, its options, the episode's context budget), and what plan.lock records."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from rollout import ConfigError
+from rollout.config import validate_config
+from rollout.errors import PlanError
+from rollout.planner.builder import build_plan
+
+GUESS = {"name": "guess_number", "max_turns": 3, "options": {"low": 1, "high": 9}}
+
+
+def multi_turn(base: dict[str, Any], **environment: Any) -> dict[str, Any]:
+    raw = copy.deepcopy(base)
+    raw["environment"] = {**GUESS, **environment}
+    raw.pop("rewards")
+    raw["data"]["fields"].pop("answer")
+    return raw
+
+
+def issues_of(raw: dict[str, Any]) -> dict[str, Any]:
+    with pytest.raises(ConfigError) as caught:
+        validate_config(raw)
+    return {issue.path: issue for issue in caught.value.issues}
+
+
+def test_a_multi_turn_environment_validates_without_rewards(base_config):
+    config = validate_config(multi_turn(base_config))
+    assert config.environment is not None and config.environment.max_turns == 3
+
+
+@pytest.mark.parametrize(
+    ("change", "path", "says"),
+    [
+        ({"rewards": [{"fn": "numeric_match"}]}, "rewards", "would be ignored"),
+        ({"algorithm": {"kind": "ppo"}}, "environment.name", "does not train on multi-turn"),
+        ({"data": {"use_chat_template": False}}, "data.use_chat_template", "conversation"),
+        ({"data": {"eval": {"path": "train.jsonl"}}}, "data.eval", "not evaluated"),
+        (
+            {"cluster": {"nproc_per_node": 2, "placement": {"actor": [0], "learner": [1]}}},
+            "cluster.placement",
+            "colocated",
+        ),
+    ],
+)
+def test_validate_refuses_what_multi_turn_episodes_cannot_do(base_config, change, path, says):
+    raw = multi_turn(base_config)
+    for section, values in change.items():
+        if isinstance(values, dict) and isinstance(raw.get(section), dict):
+            raw[section].update(values)
+        else:
+            raw[section] = values
+    found = issues_of(raw)
+    assert path in found and says in found[path].message, found
+
+
+def test_the_single_turn_environment_takes_no_turns_or_options(base_config):
+    raw = copy.deepcopy(base_config)
+    raw["environment"] = {"name": "single_turn", "max_turns": 2, "options": {"x": 1}}
+    found = issues_of(raw)
+    assert "one answer" in found["environment.max_turns"].message
+    assert "takes no options" in found["environment.options"].message
+
+
+def test_an_environment_needs_an_online_kind(base_config):
+    raw = copy.deepcopy(base_config)
+    raw["algorithm"] = {"kind": "sft", "batch_size": 4}
+    raw.pop("rewards")
+    raw.pop("generation")
+    raw["data"]["fields"] = {"prompt": "prompt", "completion": "answer"}
+    raw["environment"] = GUESS
+    assert "no episodes" in issues_of(raw)["environment"].message
+
+
+def test_plan_resolves_the_environment_and_records_it(config_file, base_config):
+    plan = build_plan(config_file(multi_turn(base_config)))
+    assert plan.environment is not None and plan.environment.ref == "guess_number"
+    assert plan.environment in plan.plugins  # freshness checks and explain see it
+
+
+def test_plan_records_a_file_environment_by_its_hash(config_file, base_config, tmp_path):
+    (tmp_path / "game.py").write_text("class Game:\n    def __init__(self, level=1): ...\n")
+    plan = build_plan(config_file(multi_turn(base_config, name="./game.py:Game", options={})))
+    assert plan.environment.kind == "file" and len(plan.environment.sha256) == 64
+
+
+def plan_issues(config_file, raw) -> dict[str, Any]:
+    with pytest.raises(PlanError) as caught:
+        build_plan(config_file(raw))
+    return {issue.path: issue for issue in caught.value.issues}
+
+
+def test_plan_refuses_options_the_environment_does_not_take(config_file, base_config):
+    found = plan_issues(config_file, multi_turn(base_config, options={"hgh": 9}))
+    assert "unexpected keyword argument 'hgh'" in found["environment.options"].message
+
+
+def test_plan_builds_a_built_in_with_its_options_so_bad_values_fail_there(config_file, base_config):
+    found = plan_issues(config_file, multi_turn(base_config, options={"low": 5, "high": 5}))
+    assert "low (5) must be below high (5)" in found["environment.options"].message
+
+
+def test_plan_names_an_unknown_environment(config_file, base_config):
+    found = plan_issues(config_file, multi_turn(base_config, name="guess_numbr"))
+    assert "environment.name" in found
+    assert "guess_number" in str(found["environment.name"])  # did you mean
+
+
+def test_plan_checks_the_episode_fits_the_models_context(config_file, base_config):
+    raw = multi_turn(base_config, max_turns=64, max_observation_tokens=4096)
+    found = plan_issues(config_file, raw)
+    message = found["environment.max_turns"].message
+    assert "max_turns 64 x max_new_tokens 8" in message and "model's context of" in message
