@@ -35,6 +35,18 @@ def plan(
     output: OutputOption = Path("plan.lock"),
     set_: SetOption = None,
     explain: Annotated[bool, typer.Option("--explain", help="Show the whole plan.")] = False,
+    probe: Annotated[
+        int | None,
+        typer.Option(
+            "--probe",
+            metavar="N",
+            min=2,
+            help="Sample N completions for each of a few of the run's first prompts with the "
+            "starting model, score them, warn when no probed prompt's completions differ (the "
+            "run could not learn) and estimate the time a step takes. Online kinds only.",
+            show_default=False,
+        ),
+    ] = None,
     fmt: FormatOption = Format.text,
 ) -> None:
     """Validate CONFIG, resolve plugins, inspect the model, data and hardware, write plan.lock."""
@@ -50,13 +62,15 @@ def plan(
 
     with user_errors(fmt.value):
         the_plan = build_plan(local_path(config), overrides=set_ or [])
+        if probe is not None:
+            _check_probe(the_plan)
         write_plan(the_plan, output)
+    report = _probe(the_plan, probe, quiet=fmt is Format.json) if probe is not None else None
     if fmt is Format.json:
-        stdout.print_json(
-            json.dumps(
-                {"plan": str(output), "run_id": the_plan.run_id, "plan_sha256": _lock_hash(output)}
-            )
-        )
+        body = {"plan": str(output), "run_id": the_plan.run_id, "plan_sha256": _lock_hash(output)}
+        if report is not None:
+            body["probe"] = _probe_json(report)
+        stdout.print_json(json.dumps(body))
         return
     if explain:
         from rollout.planner.explain import explain as render
@@ -69,6 +83,8 @@ def plan(
         f"{the_plan.derived.total_steps} steps, {the_plan.graph.world_size} "
         f"{the_plan.graph.device} process(es), ~{gib(used)} of {gib(capacity)})"
     )
+    if report is not None:
+        _render_probe(the_plan, report)
     nnodes = the_plan.graph.nnodes
     if nnodes == 1:
         stdout.print(f"  next: rollout run --plan {output}")
@@ -90,6 +106,83 @@ def show(
     with user_errors():
         the_plan = read_plan(local_path(path, "plan.lock"), check_fresh=False)
     render(the_plan, stdout)
+
+
+def _check_probe(the_plan) -> None:
+    from rollout.config.algorithm import ONLINE_KINDS
+    from rollout.errors import Issue, PlanError
+
+    kind = the_plan.config.algorithm.kind
+    if kind not in ONLINE_KINDS:
+        raise PlanError(
+            [
+                Issue(
+                    "--probe",
+                    f"{kind} trains on a fixed dataset: there are no completions to probe",
+                    hint="drop --probe (it is for grpo, rloo, ppo and reinforce_pp)",
+                )
+            ]
+        )
+
+
+def _probe(the_plan, completions: int, *, quiet: bool):
+    from rollout.runtime.probe import probe
+
+    with user_errors():
+        if quiet:
+            return probe(the_plan, completions)
+        with stderr.status(f"probing: {completions} completions for each of a few prompts..."):
+            return probe(the_plan, completions)
+
+
+def _render_probe(the_plan, report) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"probe: {report.completions_per_prompt} completions per prompt")
+    for column in ("prompt", "rewards", "mean", "spread"):
+        table.add_column(column, justify="left" if column == "rewards" else "right")
+    for i, group in enumerate(report.group_rewards):
+        shown = " ".join(f"{r:.3g}" for r in group[:8]) + (" ..." if len(group) > 8 else "")
+        spread = max(group) - min(group)
+        table.add_row(
+            str(i), shown, f"{sum(group) / len(group):.3g}", f"{spread:.3g}" if spread else "none"
+        )
+    stdout.print(table)
+    steps = the_plan.derived.total_steps
+    stdout.print(
+        f"  a step: ~{report.step_s:.1f} s per process (measured: generating "
+        f"{report.generate_s:.2f} s, scoring {report.score_s:.2f} s, one forward and backward "
+        f"{report.train_s:.2f} s for {sum(len(g) for g in report.group_rewards)} completions); "
+        f"{steps} steps: ~{_duration(report.step_s * steps)}"
+    )
+    for warning in report.warnings:
+        stdout.print(f"[bold yellow]warning[/]: {warning}")
+    if not report.warnings:
+        stdout.print(
+            f"  [green]✓[/] {len(report.group_rewards) - report.uniform_groups} of "
+            f"{len(report.group_rewards)} probed prompts have completions that score differently"
+        )
+
+
+def _probe_json(report) -> dict:
+    return {
+        "completions_per_prompt": report.completions_per_prompt,
+        "group_rewards": report.group_rewards,
+        "uniform_groups": report.uniform_groups,
+        "generate_s": report.generate_s,
+        "score_s": report.score_s,
+        "train_s": report.train_s,
+        "step_s": report.step_s,
+        "warnings": report.warnings,
+    }
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def _lock_hash(path: Path) -> str:

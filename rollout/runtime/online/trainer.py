@@ -253,9 +253,21 @@ def _build_actor(
     loaded: LoadedModel,
 ) -> Actor | EpisodeActor:
     """The single-turn actor; with [environment], the episode actor playing it."""
-    plan = ctx.plan
+    return build_actor(ctx.plan, engine, prompt_format, kind, loaded, _inside_reward(ctx))
+
+
+def build_actor(
+    plan: Plan,
+    engine: Engine,
+    prompt_format: PromptFormat,
+    kind: OnlineAlgorithm,
+    loaded: LoadedModel,
+    guard: Callable[[str], Any] | None = None,
+) -> Actor | EpisodeActor:
+    """The actor `plan` describes, on `engine` (also what `rollout plan --probe` samples with);
+    `guard` wraps each reward call (see _inside_reward)."""
     algo, gen = plan.config.algorithm, plan.config.generation
-    rewards = RewardRunner(build_reward_functions(plan), guard=_inside_reward(ctx))
+    rewards = RewardRunner(build_reward_functions(plan), guard=guard)
     params = SamplingParams(
         max_new_tokens=gen.max_new_tokens,
         temperature=gen.temperature,
