@@ -16,6 +16,7 @@ from rollout.cli import (
     checkpoints,
     generate,
     logs,
+    memory,
     plan,
     run,
     runs,
@@ -84,6 +85,7 @@ app.command()(run.run)
 app.add_typer(runs.runs)
 app.add_typer(logs.logs)
 app.add_typer(checkpoints.checkpoints)
+app.add_typer(memory.memory)
 app.add_typer(snapshot.snapshot)
 app.command()(generate.generate)
 app.command()(serve.serve)

@@ -290,6 +290,7 @@ def _resolve_environment(
     (and a built-in built with them, so a bad value fails now rather than at step 1)."""
     from rollout.harness.environments import BUILTIN_ENVIRONMENTS, SINGLE_TURN
     from rollout.harness.environments.single_turn import SingleTurn
+    from rollout.harness.memory import takes_memory
     from rollout.plugins.probe import probe_imports
     from rollout.plugins.resolve import import_probe, resolve_plugin
 
@@ -308,8 +309,32 @@ def _resolve_environment(
     )
     if resolved is None or spec.is_single_turn:
         return resolved.identity if resolved is not None else None
+    remembers = takes_memory(resolved.fn)
+    if remembers and "memory" in spec.options:
+        issues.append(
+            Issue(
+                "environment.options.memory",
+                "memory is the run's episodic memory, which the run passes itself",
+                hint="remove environment.options.memory",
+            )
+        )
+        return None
+    world = config.cluster.nnodes * config.cluster.nproc_per_node
+    if remembers and world > 1:
+        issues.append(
+            Issue(
+                "environment.name",
+                f"{spec.name} keeps an episodic memory, which is kept in one process for now: "
+                f"this run has {world}",
+                value=spec.name,
+                hint="set cluster.nproc_per_node = 1 and cluster.nnodes = 1",
+            )
+        )
+        return None
     try:
-        inspect.signature(resolved.fn).bind(**spec.options)
+        inspect.signature(resolved.fn).bind(
+            **spec.options, **({"memory": None} if remembers else {})
+        )
     except TypeError as error:
         issues.append(
             Issue(

@@ -4,6 +4,8 @@ through episodes whose environment turns are masked out of the loss."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.integration.driver import only_run, rollout
@@ -115,3 +117,64 @@ def test_a_changed_environment_file_makes_the_plan_stale(workdir):
     result = rollout(workdir, "run", "--plan", "env.lock")
     assert result.returncode == 2
     assert "games.py" in result.stderr and "environment.name" in result.stderr
+
+
+REMEMBERING = '''
+import os
+
+from rollout.harness.environments.base import StepResult
+
+
+class Remembers:
+    """One entry per step; logs how many it finds at each step; stops the run once at step 3."""
+
+    def __init__(self, memory):
+        self.memory = memory
+
+    def reset(self, rows, *, seed):
+        player = self.memory.agent("player")
+        with open("seen.log", "a") as log:
+            log.write(f"{self.memory.step} {len(player)}\\n")
+        if self.memory.step == 3 and not os.path.exists("stopped-once"):
+            open("stopped-once", "w").close()
+            raise RuntimeError("stopping once")
+        player.add(f"played step {self.memory.step}", rows=len(rows))
+        return [str(row["prompt"]) for row in rows]
+
+    def step(self, episodes, actions):
+        return [StepResult(reward=len(a) / 8, done=True) for a in actions]
+'''
+
+
+def test_episodic_memory_is_checkpointed_restored_on_resume_and_shown(workdir):
+    (workdir / "examples" / "remember.py").write_text(REMEMBERING)
+    args = ["plan", "--config", "examples/grpo-tiny.toml", "-o", "memory.lock"]
+    for setting in (
+        "rewards=[]",
+        "environment.name='./remember.py:Remembers'",
+        "environment.max_turns=2",
+        "data.eval=null",
+        "algorithm.max_steps=4",
+        "checkpoint.interval=2",
+    ):
+        args += ["--set", setting]
+    assert rollout(workdir, *args).returncode == 0
+    first = rollout(workdir, "run", "--plan", "memory.lock")
+    assert first.returncode == 1 and "stopping once" in first.stderr
+    resumed = rollout(workdir, "run", "--plan", "memory.lock")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    seen = (workdir / "seen.log").read_text().split("\n")
+    # step 3 failed with 2 entries; resumed from the step-2 checkpoint, it finds those 2 again
+    assert seen[:-1] == ["1 0", "2 1", "3 2", "3 2", "4 3"]
+    _, record = only_run(workdir)
+    shown = rollout(workdir, "memory", "show", record.run_id, "player", "--format", "json")
+    assert shown.returncode == 0, shown.stderr
+    entries = json.loads(shown.stdout)["entries"]
+    assert [(e["step"], e["text"]) for e in entries] == [
+        (step, f"played step {step}") for step in (1, 2, 3, 4)
+    ]
+    older = rollout(workdir, "memory", "show", record.run_id, "player", "--step", "2")
+    assert older.returncode == 0 and "played step 2" in older.stdout
+    assert "played step 3" not in older.stdout
+    missing = rollout(workdir, "memory", "show", record.run_id, "nobody")
+    assert missing.returncode == 2 and "agents: player" in missing.stderr

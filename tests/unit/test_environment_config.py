@@ -117,3 +117,15 @@ def test_plan_checks_the_episode_fits_the_models_context(config_file, base_confi
     found = plan_issues(config_file, raw)
     message = found["environment.max_turns"].message
     assert "max_turns 64 x max_new_tokens 8" in message and "model's context of" in message
+
+
+def test_an_environment_with_memory_plans_in_one_process_only(config_file, base_config, tmp_path):
+    (tmp_path / "game.py").write_text("class Game:\n    def __init__(self, memory): ...\n")
+    raw = multi_turn(base_config, name="./game.py:Game", options={})
+    assert build_plan(config_file(raw)).environment is not None
+    raw["cluster"]["nproc_per_node"] = 2
+    found = plan_issues(config_file, raw)
+    assert "episodic memory" in found["environment.name"].message
+    raw["cluster"]["nproc_per_node"] = 1
+    raw["environment"]["options"] = {"memory": 1}
+    assert "passes itself" in plan_issues(config_file, raw)["environment.options.memory"].message

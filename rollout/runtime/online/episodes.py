@@ -26,6 +26,7 @@ import torch
 
 from rollout.engines.base import Completion, Engine, SamplingParams
 from rollout.harness.environments.runner import EnvironmentFault, EnvironmentRunner, Failed
+from rollout.harness.memory import EpisodicMemory
 from rollout.harness.reward_runner import RewardRunner
 from rollout.runtime.online.actor import PromptFormat, Rollout, Row
 from rollout.runtime.online.batches import RolloutBatch
@@ -144,6 +145,8 @@ class EpisodeActor:
         self.turn_advantage = turn_advantage
         self.params = params
         self.settings = settings
+        self.memory: EpisodicMemory | None = None
+        """The agents' episodic memory, when the environment keeps one (saved in checkpoints)."""
 
     def rollout(self, rows: Sequence[Row], *, seed: int) -> Rollout:
         """Play ``params.n`` episodes of each row; score them; compute advantages."""

@@ -28,13 +28,14 @@ from rollout.engines.build import build_engine
 from rollout.engines.hf.engine import HfEngine
 from rollout.harness.environments.runner import EnvironmentRunner
 from rollout.harness.environments.single_turn import SingleTurn
+from rollout.harness.memory import MEMORY_DIR, EpisodicMemory, takes_memory
 from rollout.harness.reward_runner import RewardRunner
 from rollout.models.loading import LoadedModel, apply_chat_template, load_model
 from rollout.models.lora import Adapters, add_adapters
 from rollout.planner.definition import Plan
 from rollout.planner.placement import is_disaggregated
 from rollout.plugins.resolve import load_plugin
-from rollout.runtime.checkpoint import Extra
+from rollout.runtime.checkpoint import Extra, LoopFiles
 from rollout.runtime.components import build_optimizer, build_reward_functions, build_scheduler
 from rollout.runtime.context import WorkerContext
 from rollout.runtime.online.actor import Actor, PromptFormat
@@ -76,6 +77,20 @@ class Roles:
     def extras(self) -> dict[str, Extra]:
         return extras_of(self.learner)
 
+    def memory_files(self, mode: str) -> LoopFiles | None:
+        """The agents' episodic memory as a checkpoint directory (`mode` "write" when saving,
+        "read" when resuming); None when the environment keeps none."""
+        memory = getattr(self.actor, "memory", None)
+        if memory is None:
+            return None
+        return {MEMORY_DIR: memory.write if mode == "write" else memory.read}
+
+    def at_step(self, step: int) -> None:
+        """What the actor's environment writes to memory now carries `step`."""
+        memory = getattr(self.actor, "memory", None)
+        if memory is not None:
+            memory.step = step
+
 
 def extras_of(learner: Learner) -> dict[str, Extra]:
     """What a checkpoint saves beside the policy: the critic, or the value head."""
@@ -112,7 +127,7 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
         roles.adapters,
     )
     start = 0
-    resumed = checkpoints.resume(ctx)
+    resumed = checkpoints.resume(ctx, roles.memory_files("read"))
     if resumed is not None:
         start = resumed["step"]
         roles.sync_weights(resumed["policy_version"])
@@ -123,12 +138,19 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
     for step in range(start + 1, plan.derived.total_steps + 1):
         if ctx.stop.is_set():
             log.warning("stop requested: checkpointing at step %d and exiting", step - 1)
-            checkpoints.save(ctx, writer, step - 1, {"policy_version": roles.engine.policy_version})
+            checkpoints.save(
+                ctx,
+                writer,
+                step - 1,
+                {"policy_version": roles.engine.policy_version},
+                roles.memory_files("write"),
+            )
             return
         started = time.perf_counter()
         clock = PhaseClock(ctx.device)
         if ctx.activity is not None:
             ctx.activity.at_step(step)
+        roles.at_step(step)
         rows = stream.take(plan.derived.prompts_per_rank)
         log.debug("step %d prompts %s", step, ",".join(f"{r.epoch}:{r.index}" for r in rows))
         seed = derive_seed(plan.seeds.sampling, f"{step}:{ctx.rank}")
@@ -160,7 +182,13 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
         ):
             _evaluate(ctx, roles, eval_rows, writer, step)
         if last or step % config.checkpoint.interval == 0:
-            checkpoints.save(ctx, writer, step, {"policy_version": roles.engine.policy_version})
+            checkpoints.save(
+                ctx,
+                writer,
+                step,
+                {"policy_version": roles.engine.policy_version},
+                roles.memory_files("write"),
+            )
 
 
 def _evaluate(
@@ -286,9 +314,13 @@ def build_actor(
             lambda prompts, completions, rows: rewards.score(prompts, completions, rows).total,
             prompt_format.prompt_field,
         )
+        memory = None
     else:
-        environment = load_plugin(plan.environment)(**spec.options)
-    return EpisodeActor(
+        factory = load_plugin(plan.environment)
+        memory = EpisodicMemory() if takes_memory(factory) else None
+        extra = {} if memory is None else {"memory": memory}
+        environment = factory(**spec.options, **extra)
+    actor = EpisodeActor(
         rewards,
         engine,
         prompt_format,
@@ -316,6 +348,8 @@ def build_actor(
             failure_reward=spec.failure_reward,
         ),
     )
+    actor.memory = memory
+    return actor
 
 
 def _answer_budget(config: Any) -> int:
