@@ -633,13 +633,6 @@ def environment_fits_the_run(config: RunConfig) -> Iterator[Issue]:
             "multi-turn environments run with every role in each process (colocated) for now",
             hint="remove cluster.placement",
         )
-    if config.data.eval is not None:
-        yield Issue(
-            "data.eval",
-            "evaluation scores single answers with [[rewards]]; multi-turn episodes are not "
-            "evaluated during training yet",
-            hint="remove data.eval (set data.eval = null with --set)",
-        )
 
 
 @rule("rewards")

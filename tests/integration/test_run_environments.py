@@ -62,6 +62,7 @@ def test_multi_turn_grpo_raises_the_reward_of_its_episodes(workdir):
             "algorithm.minibatch_size=32",
             "generation.max_new_tokens=8",
             "checkpoint.interval=100",
+            "data.eval={ path = 'data/arith-eval.jsonl', limit = 16 }",
         ),
         timeout=600,
     )
@@ -72,6 +73,10 @@ def test_multi_turn_grpo_raises_the_reward_of_its_episodes(workdir):
     assert len(rewards) == 25 and set(turns) == {2.0}  # every episode ran both turns
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.2, rewards  # a return is two turns' shares: up to 2
+    # Held out: one greedy episode per eval prompt, before step 1 and after the last.
+    held_out = store.metrics(record.run_id, ["eval/reward"])
+    assert [m.step for m in held_out] == [0, 25]
+    assert held_out[1].value > held_out[0].value + 0.2, held_out
 
 
 def test_an_environment_that_raises_fails_the_run_naming_it(workdir):

@@ -41,7 +41,6 @@ def test_a_multi_turn_environment_validates_without_rewards(base_config):
         ({"rewards": [{"fn": "numeric_match"}]}, "rewards", "would be ignored"),
         ({"algorithm": {"kind": "ppo"}}, "environment.name", "does not train on multi-turn"),
         ({"data": {"use_chat_template": False}}, "data.use_chat_template", "conversation"),
-        ({"data": {"eval": {"path": "train.jsonl"}}}, "data.eval", "not evaluated"),
         (
             {"cluster": {"nproc_per_node": 2, "placement": {"actor": [0], "learner": [1]}}},
             "cluster.placement",

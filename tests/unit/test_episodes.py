@@ -228,3 +228,27 @@ def test_an_environment_message_past_its_budget_is_cut_but_keeps_the_turn_marker
     assert tiny_llama.tokenizer.decode(cut).endswith("<|im_end|>\n<|im_start|>assistant\n")
     with pytest.raises(ValueError, match="max_observation_tokens = 3"):
         fmt.between("x", answer_ended=False, budget=3)
+
+
+def test_evaluation_plays_one_greedy_episode_per_row_and_repeats(tiny_llama, engine):
+    class Pays(Tally):
+        def step(self, episodes, actions):
+            return [
+                StepResult("again", reward=0.5, done=True, info={"solved": True}) for _ in episodes
+            ]
+
+    actor = episode_actor(tiny_llama, engine, Pays())
+    sums, count = actor.evaluate(ROWS, seed=0)
+    assert count == 2  # one episode per row, not num_generations
+    assert sums == {"eval/reward": 1.0, "eval/solved_fraction": 2.0, "eval/turns_mean": 2.0}
+    assert actor.evaluate([], seed=0) == (dict.fromkeys(sums, 0.0), 0)
+    tokens = []
+    for _ in range(2):  # greedy: the same episodes every time
+
+        class Records(Tally):
+            def step(self, episodes, actions):
+                tokens.append(list(actions))
+                return super().step(episodes, actions)
+
+        episode_actor(tiny_llama, engine, Records(), max_turns=2).evaluate(ROWS, seed=0)
+    assert tokens[:2] == tokens[2:]

@@ -154,7 +154,7 @@ class EpisodeActor:
         started = time.perf_counter()
         records = [self.format.reward_row(row) for row in rows for _ in range(group)]
         episodes = self._start(records, seed)
-        generate_s, finishes = self._play(episodes, seed)
+        generate_s, finishes = self._play(episodes, seed, self.params)
         scoring_started = time.perf_counter()
         batch = self._batch(episodes, group)
         metrics = _episode_metrics(episodes, batch.rewards, finishes, generate_s)
@@ -178,7 +178,26 @@ class EpisodeActor:
             episodes.append(_Episode(prompt, [], [], [], []))
         return episodes
 
-    def _play(self, episodes: list[_Episode], seed: int) -> tuple[float, Counter[str]]:
+    def evaluate(self, rows: Sequence[Row], *, seed: int) -> tuple[dict[str, float], int]:
+        """Summed returns, solved episodes and turns of one greedy episode per row, and how many
+        rows they cover (sums: ranks' shards are averaged together, see evaluate.evaluate).
+        `seed` is the environment's: the same at every evaluation, so each plays the same games."""
+        names = ("eval/reward", "eval/solved_fraction", "eval/turns_mean")
+        if not rows:
+            return dict.fromkeys(names, 0.0), 0
+        episodes = self._start([self.format.reward_row(row) for row in rows], seed)
+        self._play(episodes, seed, replace(self.params, temperature=0.0, n=1))
+        returns = [self.settings.failure_reward if e.failure else e.score for e in episodes]
+        sums = (
+            sum(returns),
+            sum(e.solved for e in episodes),
+            sum(len(e.rewards) for e in episodes),
+        )
+        return dict(zip(names, map(float, sums), strict=True)), len(rows)
+
+    def _play(
+        self, episodes: list[_Episode], seed: int, params: SamplingParams
+    ) -> tuple[float, Counter[str]]:
         settings = self.settings
         active = list(range(len(episodes)))
         generate_s, finishes = 0.0, Counter[str]()
@@ -186,7 +205,7 @@ class EpisodeActor:
             if not active:
                 break
             began = time.perf_counter()
-            answers = self._answer([episodes[i].context for i in active], turn, seed)
+            answers = self._answer([episodes[i].context for i in active], turn, seed, params)
             generate_s += time.perf_counter() - began
             for i, answer in zip(active, answers, strict=True):
                 episode = episodes[i]
@@ -203,19 +222,21 @@ class EpisodeActor:
             active = still
         return generate_s, finishes
 
-    def _answer(self, contexts: list[list[int]], turn: int, seed: int) -> list[Completion]:
+    def _answer(
+        self, contexts: list[list[int]], turn: int, seed: int, params: SamplingParams
+    ) -> list[Completion]:
         """One answer per context, in order. When each group's G episodes start alike (the
         first turn, mostly) each group's prompt is sampled G times in one go, as the
         single-turn actor does, on the same seed: the engine reads the prompt once."""
-        group = self.params.n
+        group = params.n
         groups = [contexts[g : g + group] for g in range(0, len(contexts), group)]
         if turn == 0 and all(all(c == members[0] for c in members) for members in groups):
             answers = self.engine.generate(
-                [members[0] for members in groups], replace(self.params, seed=seed)
+                [members[0] for members in groups], replace(params, seed=seed)
             )
         else:
-            params = replace(self.params, n=1, seed=derive_seed(seed, f"turn:{turn}"))
-            answers = sorted(self.engine.generate(contexts, params), key=lambda c: c.prompt_index)
+            each = replace(params, n=1, seed=derive_seed(seed, f"turn:{turn}"))
+            answers = sorted(self.engine.generate(contexts, each), key=lambda c: c.prompt_index)
         if len(answers) != len(contexts):
             raise RuntimeError(f"the engine gave {len(answers)} answers for {len(contexts)}")
         return answers

@@ -198,10 +198,17 @@ def _evaluate(
     writer: BackgroundWriter,
     step: int,
 ) -> None:
-    """Each rank scores its shard of the eval prompts; the means are over all of them."""
-    sums, count = evaluate(
-        roles.engine, roles.prompt_format, roles.actor.rewards, rows, ctx.plan.config.generation
-    )
+    """Each rank scores its shard of the eval prompts; the means are over all of them. With a
+    multi-turn environment, one greedy episode per prompt."""
+    environment = ctx.plan.config.environment
+    if environment is not None and not environment.is_single_turn:
+        assert isinstance(roles.actor, EpisodeActor)
+        seed = derive_seed(ctx.plan.seeds.sampling, "eval")
+        sums, count = roles.actor.evaluate(rows, seed=seed)
+    else:
+        sums, count = evaluate(
+            roles.engine, roles.prompt_format, roles.actor.rewards, rows, ctx.plan.config.generation
+        )
     record_means(ctx, writer, step, sums, count)
 
 
