@@ -272,3 +272,23 @@ def test_an_update_reads_the_device_as_often_with_more_micro_batches(tiny_llama,
     assert all(r == reads[0] for r in reads), reads
     # The minibatch's advantages (host memory) and the metrics, each read once.
     assert len(reads[0]) == 2, reads[0]
+
+
+def test_minibatches_split_any_batch_into_the_planned_number_of_optimizer_steps():
+    from rollout.runtime.online.learner import _minibatch_rows
+
+    planned = knobs(minibatch_size=4)
+    assert _minibatch_rows(8, planned) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    fixed = knobs(minibatch_size=4, minibatches=2)
+    assert _minibatch_rows(8, fixed) == _minibatch_rows(8, planned)  # the planned size: the same
+    assert _minibatch_rows(11, fixed) == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9, 10]]
+    runs = _minibatch_rows(3, knobs(minibatch_size=1, minibatches=4))
+    assert [row for run in runs for row in run] == [0, 1, 2]
+
+
+def test_a_batch_of_another_size_still_takes_the_planned_optimizer_steps(tiny_llama, rollout_batch):
+    model = copy.deepcopy(tiny_llama.model)
+    settings = knobs(minibatch_size=4, micro_batch_size=4, minibatches=2)
+    learner = learner_for(model, settings, tiny_llama.pad_token_id, lr=0.1)
+    learner.update(rollout_batch.select([0, 1, 2, 3, 4, 5]))  # 6 rows, not 8
+    assert learner.optimizer_steps == 2

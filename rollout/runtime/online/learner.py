@@ -8,6 +8,7 @@ several data-parallel ranks the gradients are averaged before the step.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,11 @@ class LearnerKnobs:
     max_new_tokens: int
     autocast_dtype: str | None = None
     """The dtype forward passes autocast to (model.precision = "autocast"); None: none."""
+    minibatches: int | None = None
+    """Optimizer steps per epoch, whatever the batch's size: a batch of agent episodes holds one
+    row per stretch of conversation, a number that varies, while every learner must step the
+    planned number of times (its scheduler's, and its peers' collectives). The rows are split
+    into this many near-equal minibatches. None: minibatches of minibatch_size rows."""
 
 
 class Learner:
@@ -85,8 +91,8 @@ class Learner:
         totals: dict[str, torch.Tensor | float] = {}
         steps = 0
         for _ in range(knobs.update_epochs):
-            for start in range(0, len(batch), knobs.minibatch_size):
-                minibatch = batch.select(list(range(start, start + knobs.minibatch_size)))
+            for rows in _minibatch_rows(len(batch), knobs):
+                minibatch = batch.select(rows)
                 for name, value in self._optimizer_step(minibatch, stale).items():
                     totals[name] = totals.get(name, 0.0) + value
                 steps += 1
@@ -103,7 +109,8 @@ class Learner:
         computed = skipped = 0
         advantages = _host_values(minibatch.advantages)
         for start in range(0, len(minibatch), knobs.micro_batch_size):
-            micro = minibatch.select(list(range(start, start + knobs.micro_batch_size)))
+            end = min(len(minibatch), start + knobs.micro_batch_size)
+            micro = minibatch.select(list(range(start, end)))
             rows = self._rows_with_gradient(
                 micro, advantages[start : start + knobs.micro_batch_size]
             )
@@ -288,6 +295,16 @@ def _corrected(
     advantages = padded.advantages
     advantages = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     return old, advantages * weights, stats
+
+
+def _minibatch_rows(size: int, knobs: LearnerKnobs) -> list[list[int]]:
+    """The rows of each minibatch: consecutive runs of minibatch_size, or with `minibatches`
+    that many near-equal runs (the same runs when size is minibatches x minibatch_size)."""
+    if knobs.minibatches is None:
+        step = knobs.minibatch_size
+        return [list(range(start, min(size, start + step))) for start in range(0, size, step)]
+    bounds = [size * i // knobs.minibatches for i in range(knobs.minibatches + 1)]
+    return [list(range(lo, hi)) for lo, hi in itertools.pairwise(bounds) if hi > lo]
 
 
 def _host_values(values: torch.Tensor) -> list[float]:
