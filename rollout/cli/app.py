@@ -14,6 +14,7 @@ from typer.core import TyperGroup
 
 from rollout.cli import (
     checkpoints,
+    eval,
     generate,
     logs,
     plan,
@@ -41,6 +42,7 @@ COMMAND_ORDER = (
     "checkpoints",
     "snapshot",
     "generate",
+    "eval",
     "serve",
     "schema",
 )
@@ -86,6 +88,7 @@ app.add_typer(logs.logs)
 app.add_typer(checkpoints.checkpoints)
 app.add_typer(snapshot.snapshot)
 app.command()(generate.generate)
+app.command("eval")(eval.eval_command)
 app.command()(serve.serve)
 app.command()(schema.schema)
 

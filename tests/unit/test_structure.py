@@ -49,8 +49,9 @@ ALLOWED = {
         "executor",
     },
     # `rollout generate`: a model, prompts and an engine, as a worker composes them; reads the
-    # checkpoints a run wrote (runtime.checkpoint is their format).
-    "inference": {"config", "planner", "models", "engines", "storage", "runtime"},
+    # checkpoints a run wrote (runtime.checkpoint is their format). `rollout eval` scores what
+    # it samples with the harness's scorers.
+    "inference": {"config", "planner", "models", "engines", "storage", "runtime", "harness"},
     "serve": {"config", "models", "engines", "inference"},  # `rollout serve`, over inference
     "testing": {"config", "planner", "models"},  # helpers for tests and plugin authors
     "cloud": set(),
