@@ -222,3 +222,12 @@ def test_every_scorer_is_named_by_its_key():
         name: name for name in SCORERS
     }
     assert json.dumps(sorted(SCORERS)) == '["gsm8k", "ifeval", "mmlu", "mmlu_loglik"]'
+
+
+def test_the_eval_config_offers_every_builtin_scorer():
+    from typing import get_args
+
+    from rollout.config.evaluation import SCORER_NAMES, Scorer
+
+    assert get_args(Scorer) == SCORER_NAMES
+    assert set(SCORER_NAMES) == set(SCORERS)
