@@ -93,6 +93,14 @@ def eval_command(
     report: Annotated[
         str | None, typer.Option(help="Write the JSON report here (scores and every completion).")
     ] = None,
+    run: Annotated[
+        str | None,
+        typer.Option(
+            help="Record the scores in the run store as metrics of this run "
+            "(eval/<suite>/<score>) at the step of --checkpoint, which must be one of its "
+            "checkpoints."
+        ),
+    ] = None,
 ) -> None:
     """Score a model on eval suites (GSM8K, IFEval, MMLU-style): pass@k, maj@k, per category."""
     from rollout.inference.evaluate import EvalOptions, evaluate
@@ -115,6 +123,7 @@ def eval_command(
             batch_size=batch_size,
             device=device.value,
             report=local_path(report, "--report"),
+            run=run,
         )
     view = _ProgressView()
     with user_errors():

@@ -80,6 +80,8 @@ class EvalOptions:
     batch_size: int | None = None
     device: str = "auto"
     report: Path | None = None
+    run: str | None = None
+    """Record the scores in the run store as metrics of this run, at the checkpoint's step."""
 
 
 @dataclass
@@ -127,6 +129,8 @@ class EvalResult:
     suites: list[SuiteResult]
     seconds: float
     report: dict[str, Any]
+    recorded: int = 0
+    """Metrics written to the run store (with --run)."""
 
 
 def evaluate(options: EvalOptions, hooks: Hooks | None = None) -> EvalResult:
@@ -145,6 +149,7 @@ def evaluate(options: EvalOptions, hooks: Hooks | None = None) -> EvalResult:
         store=options.store,
     )
     generation = config.generation if config is not None else choice.generation
+    step = _recording_step(options, choice) if options.run is not None else None
     seed = _first(options.seed, config.seed if config is not None else None, choice.seed, 0)
     suites = _checked_suites(specs, generation, options)
     device = generation_device(options.device, generation.engine)
@@ -207,7 +212,11 @@ def evaluate(options: EvalOptions, hooks: Hooks | None = None) -> EvalResult:
     report = _report(choice, seed, templated, results, seconds)
     if options.report is not None:
         write_report(options.report, report)
-    return EvalResult(choice.description, results, seconds, report)
+    recorded = 0
+    if options.run is not None and step is not None:
+        recorded = record_metrics(options.run, options.store, step, results)
+        hooks.on_status(f"recorded {recorded} metrics of run {options.run} at step {step}")
+    return EvalResult(choice.description, results, seconds, report, recorded)
 
 
 def _first(*values: Any) -> Any:
@@ -504,6 +513,80 @@ def _score_choices(
 
 def _choice_ids(loaded: Any, text: str) -> list[int]:
     return list(loaded.tokenizer.encode(text, add_special_tokens=False))
+
+
+# --- the run store -------------------------------------------------------------------------------
+
+
+def _recording_step(options: EvalOptions, choice: ModelChoice) -> int:
+    """The step to record at: the checkpoint's, which must be of run `options.run`; the run
+    must be in the store. Checked before any weights load."""
+    from rollout.storage import check_run_id, default_store_location, find_run, open_store
+
+    run = options.run
+    if choice.checkpoint is None:
+        raise RolloutError(
+            Issue(
+                "--run",
+                "records the scores at a checkpoint's step, and no --checkpoint is given",
+                hint=f"pass --checkpoint {run} (its latest) or a checkpoint directory of it",
+            )
+        )
+    if choice.checkpoint_run is not None and choice.checkpoint_run != run:
+        raise RolloutError(
+            Issue(
+                "--run",
+                f"the checkpoint {choice.checkpoint} belongs to run {choice.checkpoint_run}",
+                value=run,
+                hint=f"--run {choice.checkpoint_run}, or a checkpoint of run {run}",
+            )
+        )
+    check_run_id(run)
+    location = options.store or default_store_location()
+    store = open_store(location, create=False)
+    try:
+        find_run(store, run, location)
+    finally:
+        store.close()
+    return int(choice.checkpoint.name.removeprefix("step-"))
+
+
+def metric_names(result: SuiteResult) -> dict[str, float]:
+    """A suite's scores as run-store metrics: eval/<suite>/<score> and, per category,
+    eval/<suite>/<category>/<score>; scores that were not measured (None) are left out."""
+    named = {
+        f"eval/{result.name}/{name}": value
+        for name, value in result.summary.items()
+        if value is not None
+    }
+    for category, (_, summary) in result.categories.items():
+        named |= {
+            f"eval/{result.name}/{category}/{name}": value
+            for name, value in summary.items()
+            if value is not None
+        }
+    return named
+
+
+def record_metrics(
+    run: str, store_location: str | None, step: int, results: list[SuiteResult]
+) -> int:
+    """Write every suite's scores as metrics of `run` at `step`; how many were written."""
+    from rollout.storage import default_store_location, open_store
+    from rollout.storage.base import MetricRecord
+
+    now = time.time()
+    rows = [
+        MetricRecord(run_id=run, step=step, name=name, value=value, time=now)
+        for result in results
+        for name, value in metric_names(result).items()
+    ]
+    store = open_store(store_location or default_store_location(), create=False)
+    try:
+        store.add_metrics(rows)
+    finally:
+        store.close()
+    return len(rows)
 
 
 # --- results and the report ----------------------------------------------------------------------

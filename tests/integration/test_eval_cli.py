@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -390,3 +391,117 @@ def test_bad_config_is_one_clear_error(config):
     )
     config.write_text(EVAL_TOML.replace("data/ifeval.jsonl", "data/nothing.jsonl"))
     expect_refusal("--config", "eval.toml", said=["suites[1].data", "nothing.jsonl"])
+
+
+RUN = "grpo-tiny-20260101-000000-abc123"
+
+
+@pytest.fixture
+def run_checkpoints(work: Path):
+    """A run in a SQLite store with two checkpoints of the tiny model (different weights)."""
+    from rollout.config.model import ModelSection
+    from rollout.models.loading import load_model
+    from rollout.planner.inspect_model import inspect_model
+    from rollout.runtime.checkpoint import save_checkpoint
+    from rollout.storage import open_store
+    from rollout.storage.base import CheckpointRecord
+
+    section = ModelSection(builtin="tiny-llama")
+    loaded = load_model(
+        inspect_model(section, base_dir=work), section, dtype="float32", device="cpu"
+    )
+    root = work / "checkpoints"
+    location = f"sqlite:{work / 'rollout.db'}"
+    with open_store(location) as store:
+        store.create_run(
+            RUN, name="grpo-tiny", plan_sha256="x", plan_path=str(work / "gone.lock"), run_dir=""
+        )
+        for step in (10, 20):
+            torch.manual_seed(step)
+            with torch.no_grad():
+                for parameter in loaded.model.parameters():
+                    parameter.add_(0.05 * torch.randn_like(parameter))
+            path = save_checkpoint(
+                root,
+                step,
+                model=loaded.model,
+                tokenizer=loaded.tokenizer,
+                optimizer=None,
+                scheduler=None,
+                trainer_state={},
+                keep_last=5,
+                run_id=RUN,
+            )
+            store.add_checkpoint(CheckpointRecord(RUN, step, str(path), time.time()))
+    return root, location
+
+
+def test_run_records_scores_at_each_checkpoints_step(run_checkpoints):
+    from rollout.storage import open_store
+
+    root, location = run_checkpoints
+    reports = {}
+    for step in (10, 20):
+        code, output = run_eval(
+            "--checkpoint",
+            str(root / f"step-{step:06d}"),
+            "--run",
+            RUN,
+            "--store",
+            location,
+            "--suite",
+            "mmlu_loglik",
+            "--data",
+            "mmlu.jsonl",
+            "--report",
+            f"{step}.json",
+        )
+        assert code == 0, output
+        assert f"at step {step}" in output
+        reports[step] = json.loads(Path(f"{step}.json").read_text())["suites"][0]
+    with open_store(location, create=False) as store:
+        rows = store.metrics(RUN)
+    recorded = {(row.name, row.step): row.value for row in rows}
+    for step, suite in reports.items():
+        assert recorded[("eval/mmlu_loglik/score", step)] == suite["metrics"]["score"]
+        assert recorded[("eval/mmlu_loglik/pass@1", step)] == suite["metrics"]["pass@1"]
+        nature = suite["categories"]["nature"]["metrics"]["score"]
+        assert recorded[("eval/mmlu_loglik/nature/score", step)] == nature
+    assert {step for _, step in recorded} == {10, 20}
+    # Listed (and drawn) over the run's steps.
+    listed = runner.invoke(app, ["runs", "metrics", RUN, "--name", "eval/", "--store", location])
+    assert listed.exit_code == 0, listed.output
+    assert re.search(r"eval/mmlu_loglik/score\s.*10\.\.20", listed.output), listed.output
+    as_json = runner.invoke(
+        app,
+        [
+            "runs",
+            "metrics",
+            RUN,
+            "--name",
+            "eval/mmlu_loglik/s",
+            "--store",
+            location,
+            "--format",
+            "json",
+        ],
+    )
+    series = json.loads(as_json.output)["metrics"]
+    assert list(series) == ["eval/mmlu_loglik/score"]
+    assert series["eval/mmlu_loglik/score"] == [
+        [step, reports[step]["metrics"]["score"]] for step in (10, 20)
+    ]
+
+
+def test_run_needs_a_checkpoint_of_a_known_run(run_checkpoints):
+    root, location = run_checkpoints
+    suite = ("--suite", "mmlu_loglik", "--data", "mmlu.jsonl", "--store", location)
+    expect_refusal("--model", "tiny-llama", "--run", RUN, *suite, said=["--run", "no --checkpoint"])
+    expect_refusal(
+        "--checkpoint",
+        str(root / "step-000010"),
+        "--run",
+        RUN[:-1] + "x",
+        *suite,
+        said=["did you mean"],
+    )
