@@ -505,3 +505,16 @@ def test_run_needs_a_checkpoint_of_a_known_run(run_checkpoints):
         *suite,
         said=["did you mean"],
     )
+
+
+def test_every_example_eval_config_runs(work):
+    from tests.conftest import EVAL_SUFFIX, EXAMPLES
+
+    examples = sorted(EXAMPLES.glob(f"*{EVAL_SUFFIX}"))
+    assert examples
+    for path in examples:
+        code, output = run_eval("--config", str(path), "--limit", "3", "--report", "example.json")
+        assert code == 0, (path, output)
+        report = json.loads(Path("example.json").read_text())
+        assert all(suite["n"] == 3 for suite in report["suites"])
+        check_report(report, output)
