@@ -41,7 +41,7 @@ from rollout.inference.batch import (
     use_chat_template,
 )
 from rollout.inference.model_choice import ModelChoice, choose_model
-from rollout.inference.prompts import read_rows
+from rollout.inference.prompts import prompt_kind, read_rows
 from rollout.planner.builder import cuda_graph_issues
 from rollout.seeds import derive_seed
 
@@ -434,7 +434,19 @@ def _encode_suites(
     for suite in suites:
         ids_of_suite = []
         for row, place in zip(suite.rows, suite.places, strict=True):
-            ids = encode_prompt(loaded, suite.scorer.prompt(row), templated, choice.system_prompt)
+            prompt = suite.scorer.prompt(row)
+            if prompt_kind(prompt) == "messages" and not templated:
+                issues.append(
+                    Issue(
+                        f"suite {suite.spec.name}",
+                        f"{place} of {suite.data} holds chat messages, which need the chat "
+                        f"template, and {choice.description} is used without one",
+                        hint="drop --no-chat-template, or give the prompt as text",
+                    )
+                )
+                ids_of_suite.append([])
+                continue
+            ids = encode_prompt(loaded, prompt, templated, choice.system_prompt)
             ids_of_suite.append(ids)
             longest = len(ids) + (
                 suite.max_new_tokens

@@ -354,6 +354,19 @@ def test_bad_input_is_one_clear_error(work):
         "bad_ifeval.jsonl",
         said=["record 1 (line 1)", "instruction 0 (no:such) is not one rollout checks"],
     )
+    chat = [{"prompt": [{"role": "user", "content": "What is 2 + 2?"}], "answer": 4}]
+    write_jsonl(work / "chat.jsonl", chat)
+    expect_refusal(
+        *TINY,
+        "--no-chat-template",
+        "--suite",
+        "gsm8k",
+        "--data",
+        "chat.jsonl",
+        said=["record 1 (line 1)", "holds chat messages"],
+    )
+    code, output = run_eval(*TINY, "--suite", "gsm8k", "--data", "chat.jsonl")
+    assert code == 0, output  # with the chat template, messages are a prompt like any other
     (work / "notjson.jsonl").write_text('{"prompt": "x", "answer": 1}\n{broken\n')
     expect_refusal(
         *TINY, "--suite", "gsm8k", "--data", "notjson.jsonl", said=["line 2", "not valid JSON"]
