@@ -25,6 +25,10 @@ from rollout.harness.eval.scorers import SCORERS
         ("The answer is 0.5", Fraction(1, 2)),
         ("no number here", None),
         ("#### nothing", None),
+        ("The answer is 7.\n####", Fraction(7)),  # a marker with no number marks nothing
+        ("#### There are 30 + 1 = 31 pens", Fraction(31)),  # nor does one before words
+        ("#### 12\nthen #### 15\n####", Fraction(15)),  # the last marker with a number
+        ("#### $-4.50", Fraction("-4.5")),
     ],
 )
 def test_final_number(text, expected):

@@ -1,30 +1,29 @@
-"""GSM8K-style final numeric answers: the number after the last "####" marker, else the last
-number in the text; thousands separators, a currency sign and a trailing period are dropped,
-and numbers compare exactly ("1,000.00" equals 1000)."""
+"""GSM8K-style final numeric answers: the number right after the last "####" marker that has
+one, else the last number in the text; thousands separators, a currency sign and a trailing
+period are dropped, and numbers compare exactly ("1,000.00" equals 1000)."""
 
 from __future__ import annotations
 
 import math
+import re
 from fractions import Fraction
 from typing import Any
 
-from rollout.harness.rewards import last_number
+from rollout.harness.rewards import NUMBER, last_number
 
-MARKER = "####"
+# GSM8K's own format: "#### 72" ends the worked answer. Only a number right after the marker
+# ("#### $1,234.") counts; "#### There are 30 + 1 = 31" marks nothing.
+_MARKED = re.compile(rf"####\s*\$?\s*({NUMBER.pattern})")
 
 
 def final_number(text: str) -> Fraction | None:
-    """The answer a completion gives: after the last "####" when there is one (GSM8K's own
-    format: what follows the marker is the answer, whatever the working before it), else the
-    last number written anywhere; None when there is none."""
-    if MARKER in text:
-        return last_number(_first_number_text(text.rsplit(MARKER, 1)[1]))
+    """The answer a completion gives: the number right after the last "####" that has one
+    (whatever the working before it), else the last number written anywhere; None when there
+    is none."""
+    marked = _MARKED.findall(text)
+    if marked:
+        return Fraction(marked[-1].replace(",", ""))
     return last_number(text)
-
-
-def _first_number_text(tail: str) -> str:
-    """What follows the marker up to its end of line: "#### $1,234.\nThanks 5" -> "$1,234."."""
-    return tail.strip().split("\n", 1)[0]
 
 
 def reference_number(reference: Any) -> Fraction | None:
