@@ -57,6 +57,8 @@ _FLAGS = {
     "temperature": "--temperature",
     "limit": "--limit",
 }
+_SAMPLING = {"samples", "k", "max_new_tokens", "temperature"}
+"""The flags that change how a suite samples: a suite that samples nothing does not take them."""
 
 
 @dataclass(frozen=True)
@@ -272,13 +274,30 @@ def _chosen_suites(
     base = options.config.resolve().parent
     suites = []
     for index, spec in chosen:
+        # Sampling flags apply to the suites that sample; a log-likelihood suite keeps its own.
+        applied = {
+            key: value
+            for key, value in given.items()
+            if SCORERS[spec.scorer].generates or key not in _SAMPLING
+        }
 
-        def where(key: str, index: int = index) -> str:
-            return _FLAGS[key] if key in given else f"suites[{index}].{key}"
+        def where(key: str, index: int = index, applied: dict = applied) -> str:
+            return _FLAGS[key] if key in applied else f"suites[{index}].{key}"
 
-        merged = _with_flags(spec.model_dump(), given, where)
-        data_base = Path.cwd() if "data" in given else base
+        merged = _with_flags(spec.model_dump(), applied, where)
+        data_base = Path.cwd() if "data" in applied else base
         suites.append((merged, data_base, where))
+    unused = [key for key in given if key in _SAMPLING]
+    if unused and not any(SCORERS[spec.scorer].generates for _, spec in chosen):
+        raise RolloutError(
+            [
+                Issue(
+                    _FLAGS[key],
+                    "means nothing here: the chosen suites sample nothing (mmlu_loglik)",
+                )
+                for key in unused
+            ]
+        )
     return suites
 
 

@@ -266,6 +266,45 @@ def test_config_runs_every_suite_and_flags_override_it(config):
     (math,) = json.loads(Path("one.json").read_text())["suites"]
     assert (math["n"], math["samples"], math["k"]) == (2, 2, [2])
     assert all(len(row["completions"]) == 2 for row in math["rows"])
+    # A flag that breaks a suite's own setting is named with it (math asks for k = 4).
+    expect_refusal(
+        "--config", "eval.toml", "--samples", "2", said=["suites[0].k", "k <= samples (2)"]
+    )
+    # Sampling flags change the suites that sample; the log-likelihood suite keeps its one.
+    code, output = run_eval(
+        "--config",
+        "eval.toml",
+        "--samples",
+        "2",
+        "--k",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--limit",
+        "2",
+        "--report",
+        "flags.json",
+    )
+    assert code == 0, output
+    suites = json.loads(Path("flags.json").read_text())["suites"]
+    assert [(s["samples"], s["n"], s["k"]) for s in suites] == [
+        (2, 2, [2]),
+        (2, 2, [2]),
+        (1, 2, [1]),
+    ]
+    assert (
+        suites[0]["settings"]["max_new_tokens"] == 4
+        and "max_new_tokens" not in suites[2]["settings"]
+    )
+    expect_refusal(
+        "--config",
+        "eval.toml",
+        "--suite",
+        "choices",
+        "--samples",
+        "2",
+        said=["--samples", "means nothing here"],
+    )
 
 
 def test_the_same_command_gives_the_same_report(config):
@@ -520,12 +559,20 @@ def test_run_needs_a_checkpoint_of_a_known_run(run_checkpoints):
     )
 
 
-def test_every_example_eval_config_runs(work):
+def test_every_example_eval_config_validates_and_the_tiny_ones_run(work):
+    from rollout.config.evaluation import EvalConfig
+    from rollout.config.load import read_config_file
     from tests.conftest import EVAL_SUFFIX, EXAMPLES
 
     examples = sorted(EXAMPLES.glob(f"*{EVAL_SUFFIX}"))
-    assert examples
+    assert len(examples) >= 2
     for path in examples:
+        config = EvalConfig.model_validate(read_config_file(path))
+        for suite in config.suites:
+            assert (path.parent / suite.data).is_file(), (path, suite.data)
+    tiny = [path for path in examples if path.name.startswith("tiny")]
+    assert tiny
+    for path in tiny:
         code, output = run_eval("--config", str(path), "--limit", "3", "--report", "example.json")
         assert code == 0, (path, output)
         report = json.loads(Path("example.json").read_text())
