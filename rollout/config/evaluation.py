@@ -23,19 +23,24 @@ flags are applied, so a flag that breaks a rule is named as the flag.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Literal
+from typing import Annotated
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from rollout.config.base import ConfigModel
 from rollout.config.generation import GenerationSection
 from rollout.config.model import ModelSection
+from rollout.config.rewards import check_plugin_ref
 from rollout.errors import Issue
 
 SCORER_NAMES = ("gsm8k", "ifeval", "mmlu", "mmlu_loglik")
 """The built-in scorers (rollout.harness.eval.scorers.SCORERS; a test keeps the two equal)."""
 
-Scorer = Literal["gsm8k", "ifeval", "mmlu", "mmlu_loglik"]
+ScorerRef = Annotated[
+    str,
+    AfterValidator(check_plugin_ref),
+    Field(examples=["gsm8k", "my_pkg.scorers:score", "./scorers.py:score"]),
+]
 
 
 class EvalSuite(ConfigModel):
@@ -45,11 +50,12 @@ class EvalSuite(ConfigModel):
         description="The suite's name in the table, the report and run-store metrics "
         "(eval/<name>/<score>): letters, digits, '_', '.', '-'.",
     )
-    scorer: Scorer = Field(
+    scorer: ScorerRef = Field(
         description="How completions are scored: 'gsm8k' (final number equals 'answer'), "
         "'ifeval' (the row's 'instruction_id_list' and 'kwargs' are followed), 'mmlu' (the "
         "stated letter is 'answer'), 'mmlu_loglik' (the likeliest of 'choices' is 'answer'; "
-        "samples nothing)."
+        "samples nothing), or a plugin: 'package.module:function' or './file.py:function' "
+        "(relative to this config), called as fn(row, completion) -> a score in [0, 1]."
     )
     data: str = Field(
         min_length=1,

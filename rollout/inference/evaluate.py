@@ -29,7 +29,7 @@ from rollout.config.load import read_config_file
 from rollout.config.validate import translate_errors
 from rollout.errors import ConfigError, Issue, RolloutError, did_you_mean
 from rollout.harness.eval.metrics import RowResult, by_category, summarize
-from rollout.harness.eval.scorers import SCORERS, Score, Scorer
+from rollout.harness.eval.scorers import SCORERS, FunctionScorer, Score, Scorer, ScorerError
 from rollout.inference.batch import (
     DEFAULT_BATCH_SIZE,
     build_generation_engine,
@@ -98,11 +98,27 @@ class Hooks:
 
 
 @dataclass(frozen=True)
+class _Chosen:
+    """A suite to run, with the flags applied, before its data is read."""
+
+    spec: EvalSuite
+    data_base: Path
+    """Where a relative data path starts: the config's directory, or the current one (--data)."""
+    plugin_base: Path
+    """Where a './file.py:function' scorer starts: the config's directory."""
+    where: Callable[[str], str]
+    """Where to report a problem with one of its fields: the flag that set it, or its config
+    path."""
+
+
+@dataclass(frozen=True)
 class _Suite:
     """A suite with everything checked and every setting resolved."""
 
     spec: EvalSuite
     scorer: Scorer
+    plugin: dict[str, Any] | None
+    """A plugin scorer's identity (its module or file, version or sha256), for the report."""
     data: str
     rows: list[dict[str, Any]]
     places: list[str]
@@ -123,6 +139,7 @@ class SuiteResult:
     summary: dict[str, float | None]
     categories: dict[str, tuple[int, dict[str, float | None]]]
     rows: list[dict[str, Any]] = field(repr=False)
+    plugin: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -198,10 +215,7 @@ def evaluate(options: EvalOptions, hooks: Hooks | None = None) -> EvalResult:
             hooks.on_suite(suite.spec.name, len(suite.rows), suite.spec.samples)
             if suite.scorer.generates:
                 completions = _sample(suite, ids, engine, generation, batch_size, seed, hooks)
-                scored = [
-                    [suite.scorer.score(row, text) for text in texts]
-                    for row, texts in zip(suite.rows, completions, strict=True)
-                ]
+                scored = _score_completions(suite, completions)
             else:
                 completions = None
                 scored = _score_choices(suite, ids, loaded, hooks)
@@ -238,11 +252,8 @@ def _read_config(path: Path) -> EvalConfig:
         ) from None
 
 
-def _chosen_suites(
-    options: EvalOptions, config: EvalConfig | None
-) -> list[tuple[EvalSuite, Path, Callable[[str], str]]]:
-    """(suite with the flags applied, the directory its data path starts at, where to report
-    a problem with one of its fields) for each suite to run."""
+def _chosen_suites(options: EvalOptions, config: EvalConfig | None) -> list[_Chosen]:
+    """Each suite to run, with the flags applied."""
     given = _given_flags(options)
     if config is None:
         return [_suite_from_flags(options, given)]
@@ -276,9 +287,7 @@ def _chosen_suites(
     for index, spec in chosen:
         # Sampling flags apply to the suites that sample; a log-likelihood suite keeps its own.
         applied = {
-            key: value
-            for key, value in given.items()
-            if SCORERS[spec.scorer].generates or key not in _SAMPLING
+            key: value for key, value in given.items() if _samples(spec) or key not in _SAMPLING
         }
 
         def where(key: str, index: int = index, applied: dict = applied) -> str:
@@ -286,9 +295,9 @@ def _chosen_suites(
 
         merged = _with_flags(spec.model_dump(), applied, where)
         data_base = Path.cwd() if "data" in applied else base
-        suites.append((merged, data_base, where))
+        suites.append(_Chosen(merged, data_base, base, where))
     unused = [key for key in given if key in _SAMPLING]
-    if unused and not any(SCORERS[spec.scorer].generates for _, spec in chosen):
+    if unused and not any(_samples(spec) for _, spec in chosen):
         raise RolloutError(
             [
                 Issue(
@@ -301,9 +310,7 @@ def _chosen_suites(
     return suites
 
 
-def _suite_from_flags(
-    options: EvalOptions, given: dict[str, Any]
-) -> tuple[EvalSuite, Path, Callable[[str], str]]:
+def _suite_from_flags(options: EvalOptions, given: dict[str, Any]) -> _Chosen:
     issues = []
     if len(options.suites) != 1:
         issues.append(
@@ -341,7 +348,29 @@ def _suite_from_flags(
 
     name = options.suites[0]
     suite = _with_flags({"name": name, "scorer": name}, given, where)
-    return suite, Path.cwd(), where
+    return _Chosen(suite, Path.cwd(), Path.cwd(), where)
+
+
+def _samples(spec: EvalSuite) -> bool:
+    builtin = SCORERS.get(spec.scorer)
+    return builtin is None or builtin.generates  # a plugin scores completions
+
+
+def _scorer(ref: str, base_dir: Path, used_by: str) -> tuple[Scorer, dict[str, Any] | None]:
+    """A built-in scorer by name, or a plugin resolved as rewards are (module, file or entry
+    point in the group rollout.scorers), with its identity."""
+    if ref in SCORERS:
+        return SCORERS[ref], None
+    from rollout.plugins.resolve import resolve_plugin
+
+    resolved = resolve_plugin(
+        ref,
+        base_dir=base_dir,
+        used_by=used_by,
+        group="rollout.scorers",
+        builtins={name: scorer.score for name, scorer in SCORERS.items()},
+    )
+    return FunctionScorer(ref, resolved.fn), resolved.identity.model_dump(mode="json")
 
 
 def _given_flags(options: EvalOptions) -> dict[str, Any]:
@@ -376,7 +405,7 @@ def _at(issue: Issue, where: Callable[[str], str]) -> Issue:
 
 
 def _checked_suites(
-    specs: list[tuple[EvalSuite, Path, Callable[[str], str]]],
+    specs: list[_Chosen],
     generation: GenerationSection,
     options: EvalOptions,
 ) -> list[_Suite]:
@@ -384,8 +413,13 @@ def _checked_suites(
     resolved; every problem in every suite is reported together."""
     issues: list[Issue] = []
     suites = []
-    for spec, data_base, where in specs:
-        scorer = SCORERS[spec.scorer]
+    for chosen in specs:
+        spec, where = chosen.spec, chosen.where
+        try:
+            scorer, plugin = _scorer(spec.scorer, chosen.plugin_base, where("scorer"))
+        except RolloutError as error:
+            issues.extend(error.issues)
+            continue
         temperature = _first(spec.temperature, 0.0 if spec.samples == 1 else generation.temperature)
         if scorer.generates and spec.samples > 1 and temperature == 0:
             issues.append(
@@ -398,7 +432,7 @@ def _checked_suites(
                 )
             )
         try:
-            rows = read_rows(spec.data, where("data"), data_base, limit=spec.limit)
+            rows = read_rows(spec.data, where("data"), chosen.data_base, limit=spec.limit)
         except RolloutError as error:
             issues.extend(error.issues)
             continue
@@ -409,6 +443,7 @@ def _checked_suites(
             _Suite(
                 spec=spec,
                 scorer=scorer,
+                plugin=plugin,
                 data=rows.location,
                 rows=rows.records,
                 places=rows.places or [],
@@ -518,6 +553,22 @@ def _sample(
             texts[begin + completion.prompt_index].append(completion.text)
         hooks.on_rows(end, sum(len(c.token_ids) for c in completions))
     return texts
+
+
+def _score_completions(suite: _Suite, completions: list[list[str]]) -> list[list[Score]]:
+    scored = []
+    for row, place, texts in zip(suite.rows, suite.places, completions, strict=True):
+        try:
+            scored.append([suite.scorer.score(row, text) for text in texts])
+        except ScorerError as error:  # a plugin's failure; a built-in's would be rollout's bug
+            raise RolloutError(
+                Issue(
+                    f"suite {suite.spec.name}",
+                    f"the scorer {suite.scorer.name} {error} on {place} of {suite.data}",
+                    hint="fix the scorer; `rollout eval --limit N` reproduces it quickly",
+                )
+            ) from None
+    return scored
 
 
 def _score_choices(
@@ -662,6 +713,7 @@ def _result(
         summary=summarize(rows, suite.ks),
         categories=by_category(rows, suite.ks),
         rows=records,
+        plugin=suite.plugin,
     )
 
 
@@ -679,6 +731,7 @@ def _report(
             {
                 "name": result.name,
                 "scorer": result.scorer,
+                "scorer_plugin": result.plugin,
                 "data": result.data,
                 "n": len(result.rows),
                 "samples": result.samples,

@@ -578,3 +578,45 @@ def test_every_example_eval_config_validates_and_the_tiny_ones_run(work):
         report = json.loads(Path("example.json").read_text())
         assert all(suite["n"] == 3 for suite in report["suites"])
         check_report(report, output)
+
+
+PLUGIN = '''
+def mentions_a_digit(row, completion):
+    """1 when the completion writes any digit."""
+    return any(character.isdigit() for character in completion)
+
+
+def broken(row, completion):
+    return row["no_such_field"]
+'''
+
+
+def test_a_plugin_scorer_from_a_file(config):
+    (config.parent / "scorers.py").write_text(PLUGIN)
+    config.write_text(
+        EVAL_TOML
+        + '\n[[suites]]\nname = "digits"\nscorer = "./scorers.py:mentions_a_digit"\n'
+        + 'data = "data/gsm8k.jsonl"\nsamples = 2\ntemperature = 1.0\n'
+    )
+    code, output = run_eval("--config", "eval.toml", "--suite", "digits", "--report", "p.json")
+    assert code == 0, output
+    (suite,) = json.loads(Path("p.json").read_text())["suites"]
+    assert suite["scorer"] == "./scorers.py:mentions_a_digit"
+    plugin = suite["scorer_plugin"]
+    assert (plugin["kind"], plugin["used_by"]) == ("file", "suites[3].scorer")
+    assert plugin["sha256"]
+    for row in suite["rows"]:
+        expected = [float(any(c.isdigit() for c in text)) for text in row["completions"]]
+        assert row["scores"] == expected
+    assert "maj@2" not in suite["metrics"] or suite["metrics"]["maj@2"] is None
+    # A scorer that raises names itself and the row; one that is not there, the config key.
+    config.write_text(config.read_text().replace(":mentions_a_digit", ":broken"))
+    expect_refusal(
+        "--config",
+        "eval.toml",
+        "--suite",
+        "digits",
+        said=["./scorers.py:broken raised KeyError", "record 1 (line 1)"],
+    )
+    config.write_text(config.read_text().replace("./scorers.py:broken", "./missing.py:score"))
+    expect_refusal("--config", "eval.toml", "--suite", "digits", said=["suites[3].scorer"])

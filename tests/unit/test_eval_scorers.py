@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 
 from rollout.harness.eval import choice, ifeval, numeric
-from rollout.harness.eval.scorers import SCORERS
+from rollout.harness.eval.scorers import SCORERS, Score
 
 # --- GSM8K ---------------------------------------------------------------------------------------
 
@@ -229,9 +229,25 @@ def test_every_scorer_is_named_by_its_key():
 
 
 def test_the_eval_config_offers_every_builtin_scorer():
-    from typing import get_args
+    from rollout.config.evaluation import SCORER_NAMES
 
-    from rollout.config.evaluation import SCORER_NAMES, Scorer
-
-    assert get_args(Scorer) == SCORER_NAMES
     assert set(SCORER_NAMES) == set(SCORERS)
+
+
+def test_a_plugin_scorer_is_checked_on_every_call():
+    from rollout.harness.eval.scorers import FunctionScorer, ScorerError
+
+    def shouty(row, completion):
+        return completion.isupper()
+
+    scorer = FunctionScorer("./mine.py:shouty", shouty)
+    assert scorer.problems({"prompt": "p"}) == [] and not scorer.votes
+    assert scorer.score({"prompt": "p"}, "YES") == Score(1.0, True, None)
+    assert scorer.score({"prompt": "p"}, "no") == Score(0.0, False, None)
+    half = FunctionScorer("half", lambda row, completion: 0.5).score({"prompt": "p"}, "x")
+    assert (half.value, half.correct) == (0.5, False)
+    for bad in (1.5, -0.1, float("nan"), "1", None):
+        with pytest.raises(ScorerError, match="not a score"):
+            FunctionScorer("bad", lambda row, completion, bad=bad: bad).score({"prompt": "p"}, "x")
+    with pytest.raises(ScorerError, match="raised KeyError"):
+        FunctionScorer("key", lambda row, completion: row["missing"]).score({"prompt": "p"}, "x")

@@ -50,8 +50,17 @@ ALLOWED = {
     },
     # `rollout generate`: a model, prompts and an engine, as a worker composes them; reads the
     # checkpoints a run wrote (runtime.checkpoint is their format). `rollout eval` scores what
-    # it samples with the harness's scorers.
-    "inference": {"config", "planner", "models", "engines", "storage", "runtime", "harness"},
+    # it samples with the harness's scorers, or a scorer plugin resolved as rewards are.
+    "inference": {
+        "config",
+        "planner",
+        "plugins",
+        "models",
+        "engines",
+        "storage",
+        "runtime",
+        "harness",
+    },
     "serve": {"config", "models", "engines", "inference"},  # `rollout serve`, over inference
     "testing": {"config", "planner", "models"},  # helpers for tests and plugin authors
     "cloud": set(),

@@ -10,7 +10,7 @@ Every row may name a ``category`` (e.g. an MMLU subject), for per-category score
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -154,6 +154,33 @@ class ChoiceLoglik(ChoiceLetter):
         letter = choice.letters_for(len(record["choices"]))[best]
         right = letter == choice.reference_letter(record["answer"], len(record["choices"]))
         return Score(1.0 if right else 0.0, right, letter)
+
+
+class ScorerError(Exception):
+    """A plugin scorer raised, or returned something that is not a score."""
+
+
+class FunctionScorer(Scorer):
+    """A plugin scorer: ``fn(row, completion)`` returns a score in [0, 1] (a bool is 0 or 1);
+    the completion is correct when it is 1. It gives no answers to vote on (no maj@k). Rows
+    need a ``prompt``; whatever else the function reads is its own business."""
+
+    votes = False
+
+    def __init__(self, name: str, fn: Callable[[dict[str, Any], str], Any]):
+        self.name = name  # type: ignore[misc]  # the reference it was loaded from
+        self.fn = fn
+
+    def score(self, record, completion):
+        try:
+            value = self.fn(record, completion)
+        except Exception as error:  # the plugin's failure, reported with the row it failed on
+            raise ScorerError(f"raised {type(error).__name__}: {error}") from error
+        if isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
+            raise ScorerError(f"returned {value!r}, not a score in [0, 1] (or a bool)")
+        return Score(float(value), value == 1.0, None)
 
 
 SCORERS: dict[str, Scorer] = {
