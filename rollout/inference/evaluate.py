@@ -169,6 +169,15 @@ def prepare(options: EvalOptions) -> _Job:
     suites and their rows, the model, the run to record to, the settings."""
     if options.report is not None:
         check_report_path(options.report)
+    if options.store is not None and options.checkpoint is None and options.run is None:
+        raise RolloutError(
+            Issue(
+                "--store",
+                "names the run store that --checkpoint RUN_ID or --run is looked up in, and "
+                "neither is given",
+                hint="drop --store, or pass --checkpoint / --run",
+            )
+        )
     config = read_eval_config(options.config) if options.config is not None else None
     specs = chosen_suites(options, config)
     choice = choose_model(

@@ -549,6 +549,7 @@ def test_run_needs_a_checkpoint_of_a_known_run(run_checkpoints):
     root, location = run_checkpoints
     suite = ("--suite", "mmlu_loglik", "--data", "mmlu.jsonl", "--store", location)
     expect_refusal("--model", "tiny-llama", "--run", RUN, *suite, said=["--run", "no --checkpoint"])
+    expect_refusal("--model", "tiny-llama", *suite, said=["--store", "neither is given"])
     expect_refusal(
         "--checkpoint",
         str(root / "step-000010"),
