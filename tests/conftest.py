@@ -18,6 +18,14 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
+EVAL_SUFFIX = ".eval.toml"
+"""Example eval configs (`rollout eval --config`) end so; every other example .toml is a run
+config."""
+
+
+def run_config_examples() -> list[Path]:
+    return sorted(p for p in EXAMPLES.rglob("*.toml") if not p.name.endswith(EVAL_SUFFIX))
+
 
 BASE_CONFIG: dict[str, Any] = {
     "run": {"name": "t", "seed": 1},

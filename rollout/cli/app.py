@@ -14,6 +14,7 @@ from typer.core import TyperGroup
 
 from rollout.cli import (
     checkpoints,
+    eval,
     generate,
     logs,
     memory,
@@ -42,6 +43,7 @@ COMMAND_ORDER = (
     "checkpoints",
     "snapshot",
     "generate",
+    "eval",
     "serve",
     "schema",
 )
@@ -88,6 +90,7 @@ app.add_typer(checkpoints.checkpoints)
 app.add_typer(memory.memory)
 app.add_typer(snapshot.snapshot)
 app.command()(generate.generate)
+app.command("eval")(eval.eval_command)
 app.command()(serve.serve)
 app.command()(schema.schema)
 

@@ -169,6 +169,75 @@ def _metrics_table(metrics: Iterable[MetricRecord]) -> Table:
 
 
 @runs.command()
+def metrics(
+    run_id: RunIdArgument,
+    name: Annotated[
+        str | None,
+        typer.Option(
+            "--name",
+            help="Only metrics whose name starts with this (e.g. eval/ for `rollout eval`'s "
+            "scores, eval/gsm8k/ for one suite).",
+        ),
+    ] = None,
+    store: StoreOption = None,
+    fmt: FormatOption = Format.text,
+) -> None:
+    """Every metric of a run over its steps: first, last, best and a trend line per metric."""
+    with user_errors(fmt.value):
+        check_run_id(run_id)
+        with reading(store) as (the_store, location):
+            find_run(the_store, run_id, location)
+            rows = the_store.metrics(run_id)
+    series: dict[str, list[MetricRecord]] = {}
+    for row in rows:
+        if name is None or row.name.startswith(name):
+            series.setdefault(row.name, []).append(row)
+    if fmt is Format.json:
+        found = {key: [[r.step, r.value] for r in values] for key, values in series.items()}
+        stdout.print_json(json.dumps({"run_id": run_id, "metrics": found}))
+        return
+    if not series:
+        stdout.print(
+            f"{escape(run_id)} has no metrics" + (f" named {escape(name)}*" if name else "")
+        )
+        return
+    table = Table(title=f"{run_id}: metrics by step", title_justify="left")
+    table.add_column("metric", style="bold")
+    table.add_column("steps", justify="right")
+    table.add_column("first", justify="right")
+    table.add_column("last", justify="right")
+    table.add_column("max", justify="right")
+    table.add_column("trend")
+    for key in sorted(series):
+        values = [row.value for row in sorted(series[key], key=lambda row: row.step)]
+        steps = series[key]
+        table.add_row(
+            escape(key),
+            f"{steps[0].step}..{steps[-1].step}" if len(steps) > 1 else str(steps[0].step),
+            f"{values[0]:.4g}",
+            f"{values[-1]:.4g}",
+            f"{max(values):.4g}",
+            sparkline(values),
+        )
+    stdout.print(table)
+
+
+_BARS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], width: int = 40) -> str:
+    """The values as a line of bar characters, lowest ▁ to highest █ (at most `width` of them:
+    longer series are sampled evenly, first and last kept)."""
+    if len(values) > width:
+        values = [values[round(i * (len(values) - 1) / (width - 1))] for i in range(width)]
+    low, high = min(values), max(values)
+    if high == low:
+        return _BARS[0] * len(values)
+    top = len(_BARS) - 1
+    return "".join(_BARS[round((value - low) / (high - low) * top)] for value in values)
+
+
+@runs.command()
 def cancel(run_id: RunIdArgument, store: StoreOption = None) -> None:
     """Ask a running run to stop; it stops at its next step and keeps its checkpoints."""
     with user_errors():

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
-# A number as people and models write it: optional minus (not a hyphen inside "3-5"), thousands
+# A number as people and models write it (shared with the eval harness): optional minus (not a hyphen inside "3-5"), thousands
 # separators only in groups of three ("1,234" but not "12,34"), optional decimals.
-_NUMBER = re.compile(
+NUMBER = re.compile(
     r"(?:(?<![\w])-)?"
     r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+|(?=\.\d))"
     r"(?:\.\d+)?"
@@ -92,7 +92,7 @@ BUILTIN_REWARDS: dict[str, Callable[..., list[float]]] = {
 
 def last_number(text: str) -> Fraction | None:
     """The last number written in ``text``, exactly; None if there is none."""
-    found = _NUMBER.findall(text)
+    found = NUMBER.findall(text)
     return Fraction(found[-1].replace(",", "")) if found else None
 
 

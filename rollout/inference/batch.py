@@ -216,7 +216,7 @@ def generate(options: GenerateOptions, hooks: Hooks | None = None) -> GenerateRe
     # vLLM loads its own copy onto the GPU: the model here only lends its tokenizer.
     load_on = "cpu" if job.engine == "vllm" else job.device
     hooks.on_status(f"loading {job.choice.description} ({job.dtype}, {load_on})")
-    loaded = _load(job.choice, job.dtype, load_on)
+    loaded = load_chosen_model(job.choice, job.dtype, load_on)
     job.prompt_ids = _encode_all(job, loaded)
     output = open_output(
         local,
@@ -225,7 +225,15 @@ def generate(options: GenerateOptions, hooks: Hooks | None = None) -> GenerateRe
         total_prompts=len(job.prompt_ids),
         overwrite=options.overwrite,
     )
-    engine = _engine(job, loaded)
+    engine = build_generation_engine(
+        job.choice,
+        job.generation,
+        loaded,
+        device=job.device,
+        batch_size=job.batch_size,
+        seed=job.seed,
+        dtype=job.dtype,
+    )
     hooks.on_start(
         JobInfo(
             model=job.choice.description,
@@ -272,7 +280,7 @@ def prepare(options: GenerateOptions) -> _Job:
     generation = merged_generation(choice.generation, options)
     field_name = options.field or choice.prompt_field or "prompt"
     prompts = read_prompts(options.prompts, field_name, limit=options.limit)
-    device = _device(options.device, generation.engine)
+    device = generation_device(options.device, generation.engine)
     graph_issues = cuda_graph_issues(
         generation, device, choice.facts.model_type, where=f"--device {options.device}"
     )
@@ -286,12 +294,12 @@ def prepare(options: GenerateOptions) -> _Job:
         prompts=prompts,
         field=field_name,
         carry=_carried(prompts, options.carry),
-        use_chat_template=_use_chat_template(options, choice),
+        use_chat_template=use_chat_template(options.chat_template, choice),
         system_prompt=system_prompt if system_prompt is not None else choice.system_prompt,
         seed=options.seed if options.seed is not None else (choice.seed or 0),
         batch_size=generation.max_batch_size or DEFAULT_BATCH_SIZE[generation.engine],
         device=device,
-        dtype=_dtype(choice, device),
+        dtype=choose_dtype(choice, device),
     )
 
 
@@ -427,9 +435,9 @@ def _carried(prompts: PromptFile, carry: tuple[str, ...] | None) -> list[str]:
     return chosen
 
 
-def _use_chat_template(options: GenerateOptions, choice: ModelChoice) -> bool:
-    """The flag, else the config's data.use_chat_template, else: whenever the model has one."""
-    wanted = options.chat_template
+def use_chat_template(wanted: bool | None, choice: ModelChoice) -> bool:
+    """The flag (`wanted`), else the config's data.use_chat_template, else: whenever the model
+    has one."""
     source = "--chat-template"
     if wanted is None:
         wanted, source = choice.use_chat_template, "data.use_chat_template"
@@ -485,7 +493,7 @@ def resolve_device(wanted: str) -> str:
     return wanted
 
 
-def _device(wanted: str, engine: str) -> str:
+def generation_device(wanted: str, engine: str) -> str:
     device = resolve_device(wanted)
     if engine == "vllm" and not device.startswith("cuda"):
         raise RolloutError(
@@ -499,7 +507,7 @@ def _device(wanted: str, engine: str) -> str:
     return device
 
 
-def _dtype(choice: ModelChoice, device: str) -> str:
+def choose_dtype(choice: ModelChoice, device: str) -> str:
     dtype = choice.section.dtype
     if dtype == "auto":
         return "float32" if device == "cpu" else "bfloat16"
@@ -510,7 +518,7 @@ def _dtype(choice: ModelChoice, device: str) -> str:
     return dtype
 
 
-def _load(choice: ModelChoice, dtype: str, device: str) -> Any:
+def load_chosen_model(choice: ModelChoice, dtype: str, device: str) -> Any:
     from transformers.utils import logging as transformers_logging
 
     from rollout.models.loading import load_model
@@ -546,7 +554,7 @@ def _encode_all(job: _Job, loaded: Any) -> list[list[int]]:
             )
             encoded.append([])
             continue
-        ids = _encode(loaded, value, job.use_chat_template, job.system_prompt)
+        ids = encode_prompt(loaded, value, job.use_chat_template, job.system_prompt)
         encoded.append(ids)
         if not ids:
             issues.append(Issue("--prompts", f"{where}: the prompt encodes to no tokens"))
@@ -570,7 +578,9 @@ def _encode_all(job: _Job, loaded: Any) -> list[list[int]]:
     return encoded
 
 
-def _encode(loaded: Any, value: Any, use_template: bool, system_prompt: str | None) -> list[int]:
+def encode_prompt(
+    loaded: Any, value: Any, use_template: bool, system_prompt: str | None
+) -> list[int]:
     from rollout.models.loading import apply_chat_template
 
     if prompt_kind(value) == "text":
@@ -594,10 +604,21 @@ def _encode(loaded: Any, value: Any, use_template: bool, system_prompt: str | No
 # --- engines -------------------------------------------------------------------------------------
 
 
-def _engine(job: _Job, loaded: Any) -> Any:
+def build_generation_engine(
+    choice: ModelChoice,
+    generation: GenerationSection,
+    loaded: Any,
+    *,
+    device: str,
+    batch_size: int,
+    seed: int,
+    dtype: str,
+) -> Any:
+    """The engine [generation] names over the loaded model, for a job whose weights never
+    change (generate, eval)."""
     from rollout.engines.build import build_engine
 
-    name, choice, generation = job.engine, job.choice, job.generation
+    name = generation.engine
     if name == "vllm" and importlib.util.find_spec("vllm") is None:
         raise RolloutError(
             Issue(
@@ -617,13 +638,13 @@ def _engine(job: _Job, loaded: Any) -> Any:
         tokenizer=loaded.tokenizer,
         eos_token_ids=loaded.eos_token_ids,
         pad_token_id=loaded.pad_token_id,
-        device=job.device,
-        max_batch_size=job.batch_size,
-        seed=job.seed,
+        device=device,
+        max_batch_size=batch_size,
+        seed=seed,
         keep_packed=True,  # the weights never change: pack them once, not per chunk
         model_dir=directory,
         tokenizer_dir=tokenizer_dir,
-        dtype=job.dtype,
+        dtype=dtype,
         gpu_memory_utilization=generation.gpu_memory_utilization,
         cuda_graphs=None if generation.cuda_graphs == "auto" else generation.cuda_graphs,
         max_model_len=choice.facts.context_length,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,10 @@ class ModelChoice:
     seed: int | None
     description: str
     """What was chosen, for people: "builtin:tiny-llama", "checkpoint .../step-000020"."""
+    checkpoint: Path | None = None
+    """With --checkpoint: the checkpoint directory chosen (…/checkpoints/step-000020)."""
+    checkpoint_run: str | None = None
+    """With --checkpoint: the id of the run whose plan sits beside it, when one does."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +118,12 @@ def choose_model(
             defaults = _from_plan(found.plan)
         base = defaults.section or ModelSection()
         section = base.model_copy(update=_source(path=str(found.model_dir), format="hf"))
-        return _choice(section, defaults, "--checkpoint", f"checkpoint {found.model_dir.parent}")
+        choice = _choice(section, defaults, "--checkpoint", f"checkpoint {found.model_dir.parent}")
+        return replace(
+            choice,
+            checkpoint=found.model_dir.parent,
+            checkpoint_run=found.plan.run_id if found.plan is not None else None,
+        )
     if model is not None:
         section = (defaults.section or ModelSection()).model_copy(update=model_source(model))
         return _choice(section, defaults, "--model", model)

@@ -38,6 +38,8 @@ class PromptFile:
     records: list[Record]
     fingerprint: str
     """sha256 of the file's bytes: a resumed job must read the same prompts."""
+    places: list[str] | None = None
+    """Where each record is, for messages ("record 3 (line 4)"); read_rows fills it."""
 
 
 def file_format(location: str, option: str) -> Literal["jsonl", "parquet"]:
@@ -62,37 +64,7 @@ def read_prompts(location: str, field: str, *, limit: int | None = None) -> Prom
     A relative `location` starts at the current directory, with or without --config: it is typed
     on the command line, not written in the config.
     """
-    if "\0" in location:  # every os function would raise ValueError on it
-        raise RolloutError(
-            Issue("--prompts", "the path holds a NUL character (\\x00)", value=location)
-        )
-    cwd = Path.cwd()
-    resolved = locations.resolve(location, cwd)
-    if not locations.exists(resolved, "--prompts"):
-        raise RolloutError(
-            locations.not_found(
-                "--prompts",
-                resolved,
-                what="prompt file",
-                value=location,
-                relative_to=f"the current directory ({cwd})",
-            )
-        )
-    if locations.is_dir(resolved, "--prompts"):
-        raise RolloutError(
-            Issue("--prompts", f"{resolved} is a directory, not a prompt file", value=location)
-        )
-    reason = None if is_url(resolved) else refusal(resolved)
-    if reason is not None:  # a FIFO would block the read, /dev/zero feed it forever
-        raise RolloutError(
-            Issue(
-                "--prompts",
-                f"{resolved} {reason}",
-                value=location,
-                hint="pass a .jsonl or .parquet file",
-            )
-        )
-    fmt = file_format(resolved, "--prompts")
+    resolved, fmt = _locate(location, "--prompts", Path.cwd(), what="prompt file")
     checker = _Checker(resolved, field)
     scan = scan_jsonl if fmt == "jsonl" else scan_parquet
     try:
@@ -107,6 +79,84 @@ def read_prompts(location: str, field: str, *, limit: int | None = None) -> Prom
     if issues:
         raise RolloutError(issues)
     return PromptFile(resolved, fmt, checker.records, sha256_file(resolved))
+
+
+def read_rows(
+    location: str, option: str, base_dir: Path, *, limit: int | None = None
+) -> PromptFile:
+    """Every record (or the first `limit`) of a JSONL or Parquet file of data rows, whatever
+    fields they hold (the caller checks those); problems are reported at `option`. A relative
+    `location` starts at `base_dir`."""
+    resolved, fmt = _locate(location, option, base_dir, what="data file")
+    sink = _Rows(option)
+    scan = scan_jsonl if fmt == "jsonl" else scan_parquet
+    try:
+        scan(resolved, limit, sink)
+    except (OSError, ValueError) as exc:
+        raise RolloutError(
+            Issue(option, f"cannot read {resolved} as {fmt}: {exc}", value=location)
+        ) from exc
+    if not sink.issues and not sink.records:
+        sink.issues.append(Issue(option, f"{resolved} holds no records", value=location))
+    if sink.issues:
+        raise RolloutError(sink.issues[:MAX_LISTED])
+    return PromptFile(resolved, fmt, sink.records, sha256_file(resolved), sink.places)
+
+
+def _locate(
+    location: str, option: str, base_dir: Path, *, what: str
+) -> tuple[str, Literal["jsonl", "parquet"]]:
+    """The resolved location of a readable JSONL or Parquet file, and its format."""
+    if "\0" in location:  # every os function would raise ValueError on it
+        raise RolloutError(Issue(option, "the path holds a NUL character (\\x00)", value=location))
+    resolved = locations.resolve(location, base_dir)
+    if not locations.exists(resolved, option):
+        raise RolloutError(
+            locations.not_found(
+                option,
+                resolved,
+                what=what,
+                value=location,
+                relative_to=f"the current directory ({base_dir})"
+                if base_dir == Path.cwd()
+                else f"the config's directory ({base_dir})",
+            )
+        )
+    if locations.is_dir(resolved, option):
+        raise RolloutError(
+            Issue(option, f"{resolved} is a directory, not a {what}", value=location)
+        )
+    reason = None if is_url(resolved) else refusal(resolved)
+    if reason is not None:  # a FIFO would block the read, /dev/zero feed it forever
+        raise RolloutError(
+            Issue(
+                option,
+                f"{resolved} {reason}",
+                value=location,
+                hint="pass a .jsonl or .parquet file",
+            )
+        )
+    return resolved, file_format(resolved, option)
+
+
+class _Rows:
+    """The scanners' sink for read_rows: every record, where it was, and unreadable lines."""
+
+    def __init__(self, option: str):
+        self.option = option
+        self.records: list[Record] = []
+        self.places: list[str] = []
+        self.issues: list[Issue] = []
+
+    def use_columns(self, columns: list[str]) -> list[str]:
+        return columns
+
+    def record(self, where: str, record: Record) -> None:
+        self.records.append(record)
+        self.places.append(where)
+
+    def problem(self, message: str, hint: str | None = None) -> None:
+        self.issues.append(Issue(self.option, message, hint=hint))
 
 
 def prompt_kind(value: Any) -> Literal["text", "messages"] | None:

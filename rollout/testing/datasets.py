@@ -69,6 +69,98 @@ def demonstrations(count: int, *, seed: int) -> list[Record]:
     ]
 
 
+def word_problems(count: int, *, seed: int) -> list[Record]:
+    """GSM8K-style rows (`rollout eval` suite gsm8k): a short word problem, its worked answer
+    ending "#### N" as GSM8K writes it, and a category."""
+    rng = random.Random(seed)
+    records = []
+    for a, b in _operands(count, seed, low=2, high=40):
+        if rng.random() < 0.5:
+            prompt = f"Ana has {a} apples and buys {b} more. How many apples does she have?"
+            answer, category = f"{a} + {b} = {a + b}\n#### {a + b}", "addition"
+        else:
+            prompt = f"A box holds {a} pens. How many pens do {b} boxes hold?"
+            answer, category = f"{a} * {b} = {a * b}\n#### {a * b:,}", "multiplication"
+        records.append(
+            {
+                "prompt": f"{prompt} Finish with '#### ' and the number.",
+                "answer": answer,
+                "category": category,
+            }
+        )
+    return records
+
+
+_INSTRUCTIONS: list[tuple[str, list[str], list[Record]]] = [
+    (
+        "Describe the sea in fewer than 40 words, all in lower case.",
+        ["length_constraints:number_words", "change_case:english_lowercase"],
+        [{"relation": "less than", "num_words": 40}, {}],
+    ),
+    (
+        "Give a JSON object with the keys name and age for a made-up person.",
+        ["detectable_format:json_format"],
+        [{}],
+    ),
+    (
+        "List three fruits as markdown bullet points, without using commas.",
+        ["detectable_format:number_bullet_lists", "punctuation:no_comma"],
+        [{"num_bullets": 3}, {}],
+    ),
+    (
+        "Write two sentences about rain that mention clouds, and end with 'That is all.'",
+        ["keywords:existence", "startend:end_checker", "length_constraints:number_sentences"],
+        [
+            {"keywords": ["clouds"]},
+            {"end_phrase": "That is all."},
+            {"relation": "less than", "num_sentences": 4},
+        ],
+    ),
+    (
+        "SHOUT A GREETING IN CAPITAL LETTERS, WITHOUT THE WORD HELLO.",
+        ["change_case:english_capital", "keywords:forbidden_words"],
+        [{}, {"forbidden_words": ["hello"]}],
+    ),
+    (
+        "Name a colour without using the characters '!' or '?'.",
+        ["punctuation:forbidden_characters"],
+        [{"characters": "!?"}],
+    ),
+]
+
+
+def instruction_rows(count: int, *, seed: int) -> list[Record]:
+    """IFEval-style rows (`rollout eval` suite ifeval): a prompt, its instruction ids and
+    kwargs, in IFEval's layout."""
+    rng = random.Random(seed)
+    return [
+        {"prompt": prompt, "instruction_id_list": ids, "kwargs": kwargs}
+        for prompt, ids, kwargs in (rng.choice(_INSTRUCTIONS) for _ in range(count))
+    ]
+
+
+def multiple_choice(count: int, *, seed: int) -> list[Record]:
+    """MMLU-style rows (`rollout eval` suites mmlu and mmlu_loglik): a question, four choices,
+    the right one's letter and a category."""
+    rng = random.Random(seed)
+    records = []
+    for a, b in _operands(count, seed, low=2, high=20):
+        plus = rng.random() < 0.5
+        right = a + b if plus else a * b
+        wrong = {right + 1, right - 1, right + 10, abs(right - a), right + b} - {right}
+        choices = [str(c) for c in rng.sample(sorted(wrong), 3)] + [str(right)]
+        rng.shuffle(choices)
+        records.append(
+            {
+                "question": f"What is {a} {'+' if plus else '*'} {b}?",
+                "choices": choices,
+                "answer": "ABCD"[choices.index(str(right))],
+                "category": "addition" if plus else "multiplication",
+            }
+        )
+    return records
+
+
 def example_files() -> Iterator[tuple[str, list[Record]]]:
     """Every committed example data file, by name. Train and eval use different seeds."""
     yield "arith-train.jsonl", addition(1000, seed=1)
@@ -81,6 +173,9 @@ def example_files() -> Iterator[tuple[str, list[Record]]]:
     yield "glued-eval.jsonl", glued_pairs(64, seed=8)
     yield "judged-train.jsonl", judged_answers(256, seed=9)
     yield "judged-eval.jsonl", judged_answers(64, seed=10)
+    yield "eval-gsm8k.jsonl", word_problems(24, seed=11)
+    yield "eval-ifeval.jsonl", instruction_rows(12, seed=12)
+    yield "eval-mmlu.jsonl", multiple_choice(24, seed=13)
 
 
 def to_jsonl(records: list[Record]) -> str:

@@ -281,3 +281,12 @@ def test_a_postgres_server_that_does_not_answer_is_named_without_its_password(mo
     assert "cannot connect to the postgres run store postgres:env:DEAD_DSN" in output
     assert "database runs on 127.0.0.1:9 as bob" in output
     assert "hunter2" not in result.output and "Traceback" not in result.output
+
+
+def test_sparkline_spans_lowest_to_highest():
+    from rollout.cli.runs import sparkline
+
+    assert sparkline([0.0, 0.5, 1.0]) == "▁▅█"
+    assert sparkline([2.0, 2.0]) == "▁▁"
+    long = sparkline([float(i) for i in range(100)], width=10)
+    assert len(long) == 10 and long[0] == "▁" and long[-1] == "█"

@@ -31,6 +31,7 @@ from rollout.schema import (
 )
 from rollout.schema.reference import EXAMPLE_TOML
 from rollout.schema.stubs import ROOT_NAME
+from tests.conftest import run_config_examples
 
 REPO = Path(__file__).resolve().parents[2]
 runner = CliRunner()
@@ -113,7 +114,7 @@ def test_schema_accepts_a_valid_config(validator, base_config):
     validator.validate(base_config)
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "examples").glob("*.toml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", run_config_examples(), ids=lambda p: p.name)
 def test_schema_accepts_every_example(validator, path: Path):
     validator.validate(read_config_file(path))
 

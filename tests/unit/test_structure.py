@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 import rollout
-from tests.conftest import EXAMPLES, REPO
+from tests.conftest import EVAL_SUFFIX, EXAMPLES, REPO
 
 PACKAGE = REPO / "rollout"
 
@@ -49,8 +49,18 @@ ALLOWED = {
         "executor",
     },
     # `rollout generate`: a model, prompts and an engine, as a worker composes them; reads the
-    # checkpoints a run wrote (runtime.checkpoint is their format).
-    "inference": {"config", "planner", "models", "engines", "storage", "runtime"},
+    # checkpoints a run wrote (runtime.checkpoint is their format). `rollout eval` scores what
+    # it samples with the harness's scorers, or a scorer plugin resolved as rewards are.
+    "inference": {
+        "config",
+        "planner",
+        "plugins",
+        "models",
+        "engines",
+        "storage",
+        "runtime",
+        "harness",
+    },
     "serve": {"config", "models", "engines", "inference"},  # `rollout serve`, over inference
     "testing": {"config", "planner", "models"},  # helpers for tests and plugin authors
     "cloud": set(),
@@ -185,7 +195,8 @@ def test_validate_and_plan_never_import_torch(tmp_path):
         import json, sys
         from pathlib import Path
         from rollout import load_config, plan
-        examples = sorted(Path({str(EXAMPLES)!r}).rglob("*.toml"))
+        examples = sorted(p for p in Path({str(EXAMPLES)!r}).rglob("*.toml")
+                          if not p.name.endswith({EVAL_SUFFIX!r}))
         for path in examples:
             load_config(path)
         planned = []

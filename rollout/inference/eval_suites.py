@@ -1,0 +1,306 @@
+"""Which suites `rollout eval` runs, and their rows: from an eval config or from --suite and
+--data, with the flags on top; each suite's scorer (built-in or plugin) resolved, its rows read
+and checked against it, its sampling settings resolved. Every problem in every suite is reported
+together, before any weights load."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+
+from rollout.config.evaluation import SCORER_NAMES, EvalConfig, EvalSuite, suite_issues
+from rollout.config.generation import GenerationSection
+from rollout.config.load import read_config_file
+from rollout.config.validate import translate_errors
+from rollout.errors import ConfigError, Issue, RolloutError, did_you_mean
+from rollout.harness.eval.scorers import SCORERS, FunctionScorer, Scorer
+from rollout.inference.prompts import read_rows
+
+if TYPE_CHECKING:
+    from rollout.inference.evaluate import EvalOptions
+
+MAX_LISTED = 10
+
+# The suite field each flag overrides, and the flag to name when its value breaks a rule.
+_FLAGS = {
+    "data": "--data",
+    "samples": "--samples",
+    "k": "--k",
+    "max_new_tokens": "--max-new-tokens",
+    "temperature": "--temperature",
+    "limit": "--limit",
+}
+_SAMPLING = {"samples", "k", "max_new_tokens", "temperature"}
+"""The flags that change how a suite samples: a suite that samples nothing does not take them."""
+
+
+@dataclass(frozen=True)
+class ChosenSuite:
+    """A suite to run, with the flags applied, before its data is read."""
+
+    spec: EvalSuite
+    data_base: Path
+    """Where a relative data path starts: the config's directory, or the current one (--data)."""
+    plugin_base: Path
+    """Where a './file.py:function' scorer starts: the config's directory."""
+    where: Callable[[str], str]
+    """Where to report a problem with one of its fields: the flag that set it, or its config
+    path."""
+
+
+@dataclass(frozen=True)
+class CheckedSuite:
+    """A suite with everything checked and every setting resolved."""
+
+    spec: EvalSuite
+    scorer: Scorer
+    plugin: dict[str, Any] | None
+    """A plugin scorer's identity (its module or file, version or sha256), for the report."""
+    data: str
+    rows: list[dict[str, Any]]
+    places: list[str]
+    ks: list[int]
+    temperature: float
+    max_new_tokens: int
+    top_p: float
+
+
+def read_eval_config(path: Path) -> EvalConfig:
+    raw = read_config_file(path)
+    try:
+        return EvalConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(
+            translate_errors(exc, prefix=(), root=EvalConfig), source=str(path)
+        ) from None
+
+
+def chosen_suites(options: EvalOptions, config: EvalConfig | None) -> list[ChosenSuite]:
+    """Each suite to run, with the flags applied."""
+    given = _given_flags(options)
+    if config is None:
+        return [_suite_from_flags(options, given)]
+    by_name = {suite.name: (index, suite) for index, suite in enumerate(config.suites)}
+    unknown = [name for name in options.suites if name not in by_name]
+    if unknown:
+        raise RolloutError(
+            [
+                Issue(
+                    "--suite",
+                    f"{options.config} has no suite {name!r}; its suites: {', '.join(by_name)}",
+                    value=name,
+                    hint=did_you_mean(name, by_name),
+                )
+                for name in unknown
+            ]
+        )
+    chosen = [by_name[name] for name in dict.fromkeys(options.suites)] or list(
+        enumerate(config.suites)
+    )
+    if options.data is not None and len(chosen) != 1:
+        raise RolloutError(
+            Issue(
+                "--data",
+                f"replaces one suite's data, and {len(chosen)} suites are chosen",
+                hint="pick the suite whose data to replace with --suite NAME",
+            )
+        )
+    base = options.config.resolve().parent
+    suites = []
+    for index, spec in chosen:
+        # Sampling flags apply to the suites that sample; a log-likelihood suite keeps its own.
+        applied = {
+            key: value for key, value in given.items() if _samples(spec) or key not in _SAMPLING
+        }
+
+        def where(key: str, index: int = index, applied: dict = applied) -> str:
+            return _FLAGS[key] if key in applied else f"suites[{index}].{key}"
+
+        merged = _with_flags(spec.model_dump(), applied, where)
+        data_base = Path.cwd() if "data" in applied else base
+        suites.append(ChosenSuite(merged, data_base, base, where))
+    unused = [key for key in given if key in _SAMPLING]
+    if unused and not any(_samples(spec) for _, spec in chosen):
+        raise RolloutError(
+            [
+                Issue(
+                    _FLAGS[key],
+                    "means nothing here: the chosen suites sample nothing (mmlu_loglik)",
+                )
+                for key in unused
+            ]
+        )
+    return suites
+
+
+def _suite_from_flags(options: EvalOptions, given: dict[str, Any]) -> ChosenSuite:
+    issues = []
+    if len(options.suites) != 1:
+        issues.append(
+            Issue(
+                "--suite",
+                "name one suite to run: " + " | ".join(SCORER_NAMES)
+                if not options.suites
+                else "without --config, name exactly one suite",
+                hint="or pass --config eval.toml to run several",
+            )
+        )
+    elif options.suites[0] not in SCORER_NAMES:
+        name = options.suites[0]
+        issues.append(
+            Issue(
+                "--suite",
+                f"is not a built-in suite; the suites: {', '.join(SCORER_NAMES)}",
+                value=name,
+                hint=did_you_mean(name.replace("-", "_"), SCORER_NAMES),
+            )
+        )
+    if options.data is None:
+        issues.append(
+            Issue(
+                "--data",
+                "the suite needs its rows: a .jsonl or .parquet file",
+                hint="--data FILE.jsonl",
+            )
+        )
+    if issues:
+        raise RolloutError(issues)
+
+    def where(key: str) -> str:
+        return _FLAGS.get(key, "--suite")
+
+    name = options.suites[0]
+    suite = _with_flags({"name": name, "scorer": name}, given, where)
+    return ChosenSuite(suite, Path.cwd(), Path.cwd(), where)
+
+
+def _samples(spec: EvalSuite) -> bool:
+    builtin = SCORERS.get(spec.scorer)
+    return builtin is None or builtin.generates  # a plugin scores completions
+
+
+def _scorer(ref: str, base_dir: Path, used_by: str) -> tuple[Scorer, dict[str, Any] | None]:
+    """A built-in scorer by name, or a plugin resolved as rewards are (module, file or entry
+    point in the group rollout.scorers), with its identity."""
+    if ref in SCORERS:
+        return SCORERS[ref], None
+    from rollout.plugins.resolve import resolve_plugin
+
+    resolved = resolve_plugin(
+        ref,
+        base_dir=base_dir,
+        used_by=used_by,
+        group="rollout.scorers",
+        builtins={name: scorer.score for name, scorer in SCORERS.items()},
+    )
+    return FunctionScorer(ref, resolved.fn), resolved.identity.model_dump(mode="json")
+
+
+def _given_flags(options: EvalOptions) -> dict[str, Any]:
+    given = {
+        "data": options.data,
+        "samples": options.samples,
+        "k": list(options.k) if options.k else None,
+        "max_new_tokens": options.max_new_tokens,
+        "temperature": options.temperature,
+        "limit": options.limit,
+    }
+    return {key: value for key, value in given.items() if value is not None}
+
+
+def _with_flags(
+    base: dict[str, Any], given: dict[str, Any], where: Callable[[str], str]
+) -> EvalSuite:
+    try:
+        suite = EvalSuite.model_validate({**base, **given})
+    except ValidationError as exc:
+        issues = translate_errors(exc, prefix=(), root=EvalSuite)
+        raise ConfigError([_at(issue, where) for issue in issues]) from None
+    issues = suite_issues(suite, where)
+    if issues:
+        raise ConfigError(issues)
+    return suite
+
+
+def _at(issue: Issue, where: Callable[[str], str]) -> Issue:
+    """A suite field's issue, reported where that field was set (a flag or the config)."""
+    return replace(issue, path=where(issue.path.split(".")[0].split("[")[0]))
+
+
+def checked_suites(
+    specs: list[ChosenSuite],
+    generation: GenerationSection,
+    options: EvalOptions,
+) -> list[CheckedSuite]:
+    """Each suite's rows read and checked against its scorer, and its sampling settings
+    resolved; every problem in every suite is reported together."""
+    issues: list[Issue] = []
+    suites = []
+    for chosen in specs:
+        spec, where = chosen.spec, chosen.where
+        try:
+            scorer, plugin = _scorer(spec.scorer, chosen.plugin_base, where("scorer"))
+        except RolloutError as error:
+            issues.extend(error.issues)
+            continue
+        temperature = first(spec.temperature, 0.0 if spec.samples == 1 else generation.temperature)
+        if scorer.generates and spec.samples > 1 and temperature == 0:
+            issues.append(
+                Issue(
+                    where("temperature")
+                    if spec.temperature is not None
+                    else "generation.temperature",
+                    f"{spec.samples} samples at temperature 0 are all the same completion",
+                    hint="sample at a temperature above 0 (e.g. 0.8), or take 1 sample",
+                )
+            )
+        try:
+            rows = read_rows(spec.data, where("data"), chosen.data_base, limit=spec.limit)
+        except RolloutError as error:
+            issues.extend(error.issues)
+            continue
+        issues.extend(
+            _row_issues(scorer, rows.records, rows.places or [], rows.location, where("data"))
+        )
+        suites.append(
+            CheckedSuite(
+                spec=spec,
+                scorer=scorer,
+                plugin=plugin,
+                data=rows.location,
+                rows=rows.records,
+                places=rows.places or [],
+                ks=sorted(set(spec.k)) if spec.k else sorted({1, spec.samples}),
+                temperature=temperature,
+                max_new_tokens=first(spec.max_new_tokens, generation.max_new_tokens),
+                top_p=first(spec.top_p, generation.top_p),
+            )
+        )
+    if issues:
+        raise RolloutError(issues)
+    return suites
+
+
+def _row_issues(
+    scorer: Scorer, rows: list[dict[str, Any]], places: list[str], location: str, option: str
+) -> list[Issue]:
+    issues = []
+    for row, place in zip(rows, places, strict=True):
+        for name, problem in scorer.problems(row):
+            issues.append(Issue(option, f"{place} of {location}: field {name!r} {problem}"))
+    if len(issues) > MAX_LISTED:
+        more = len(issues) - MAX_LISTED
+        issues = [
+            *issues[:MAX_LISTED],
+            Issue(option, f"... and {more} more problems in {location}"),
+        ]
+    return issues
+
+
+def first(*values: Any) -> Any:
+    """The first value that is not None (a flag, else the config's, else a default)."""
+    return next((value for value in values if value is not None), None)
