@@ -72,11 +72,39 @@ class CheckedSuite:
 def read_eval_config(path: Path) -> EvalConfig:
     raw = read_config_file(path)
     try:
-        return EvalConfig.model_validate(raw)
+        config = EvalConfig.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(
             translate_errors(exc, prefix=(), root=EvalConfig), source=str(path)
         ) from None
+    unread = _unread_generation(config)
+    if unread:
+        raise ConfigError(unread, source=str(path))
+    return config
+
+
+def _unread_generation(config: EvalConfig) -> list[Issue]:
+    """[generation] keys an eval does not read, when written: refused, never ignored."""
+    written, issues = config.generation.model_fields_set, []
+    if "max_prompt_tokens" in written:
+        issues.append(
+            Issue(
+                "generation.max_prompt_tokens",
+                "an eval never cuts its prompts: one that does not fit the model's context with "
+                "its completion is refused, naming its row",
+                hint="remove generation.max_prompt_tokens",
+            )
+        )
+    if "gpu_memory_utilization" in written and config.generation.engine != "vllm":
+        issues.append(
+            Issue(
+                "generation.gpu_memory_utilization",
+                "only the vllm engine reserves a share of GPU memory; the hf engine ignores it",
+                value=config.generation.gpu_memory_utilization,
+                hint="remove it, or set generation.engine = 'vllm'",
+            )
+        )
+    return issues
 
 
 def chosen_suites(options: EvalOptions, config: EvalConfig | None) -> list[ChosenSuite]:

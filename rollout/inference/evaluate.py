@@ -198,6 +198,15 @@ def prepare(options: EvalOptions) -> _Job:
                 hint="use engine 'hf' for an eval with an mmlu_loglik suite",
             )
         )
+    if not any(suite.scorer.generates for suite in suites):
+        unread = [("--seed", options.seed), ("--max-batch-size", options.batch_size)]
+        issues = [
+            Issue(flag, "only log-likelihood suites run: nothing is sampled", value=value)
+            for flag, value in unread
+            if value is not None
+        ]
+        if issues:
+            raise RolloutError(issues)
     device = generation_device(options.device, generation.engine)
     graph_issues = cuda_graph_issues(
         generation, device, choice.facts.model_type, where=f"--device {options.device}"

@@ -370,6 +370,17 @@ def test_bad_input_is_one_clear_error(work):
         "2",
         said=["--samples", "samples must be 1"],
     )
+    expect_refusal(
+        "--model",
+        "tiny-llama",
+        "--suite",
+        "mmlu_loglik",
+        "--data",
+        "mmlu.jsonl",
+        "--seed",
+        "3",
+        said=["--seed", "nothing is sampled"],
+    )
     rows = [GSM8K[0], {"prompt": "no answer here"}, {"question": "no prompt", "answer": 3}]
     write_jsonl(work / "bad.jsonl", rows)
     output = expect_refusal(

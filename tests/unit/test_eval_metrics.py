@@ -76,3 +76,20 @@ def test_summarize_and_categories():
     unvoted = [RowResult(None, [0.5, 1.0], [False, True], None)]
     assert summarize(unvoted, [2])["maj@2"] is None
     assert by_category(unvoted, [2]) == {}
+
+
+def test_an_eval_config_refuses_generation_keys_it_would_not_read(tmp_path):
+    from rollout import ConfigError
+    from rollout.inference.eval_suites import read_eval_config
+
+    path = tmp_path / "e.eval.toml"
+    suite = '[[suites]]\nname = "g"\nscorer = "gsm8k"\ndata = "x.jsonl"\n'
+    path.write_text("[generation]\nmax_prompt_tokens = 10\ngpu_memory_utilization = 0.5\n" + suite)
+    with pytest.raises(ConfigError) as caught:
+        read_eval_config(path)
+    assert [i.path for i in caught.value.issues] == [
+        "generation.max_prompt_tokens",
+        "generation.gpu_memory_utilization",
+    ]
+    path.write_text('[generation]\nengine = "vllm"\ngpu_memory_utilization = 0.5\n' + suite)
+    assert read_eval_config(path).generation.gpu_memory_utilization == 0.5
