@@ -432,8 +432,11 @@ class _Handler(JsonHandler):
     def _client_gone(self) -> bool:
         """Whether the client closed its end (readable, with nothing to read)."""
         try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            if not readable:
+            # poll, not select: select() refuses a descriptor past FD_SETSIZE (1024), and with
+            # that many connections open every waiting request would count as abandoned.
+            poller = select.poll()
+            poller.register(self.connection, select.POLLIN)
+            if not poller.poll(0):
                 return False
             if isinstance(self.connection, ssl.SSLSocket):
                 return self._tls_client_gone(self.connection)
