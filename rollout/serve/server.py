@@ -35,6 +35,7 @@ import ssl
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
 from typing import Any
@@ -49,6 +50,7 @@ from rollout.engines.service import (
 )
 from rollout.redact import redact_text
 from rollout.serve.protocol import ApiError, GenerationRequest, ModelInfo, parse_request, per_prompt
+from rollout.serve.recording import EPISODE_ID, CompletionRecorder, RecorderFull
 from rollout.serve.responses import (
     OPENAI_FINISH,
     envelope,
@@ -67,6 +69,8 @@ IDLE_TIMEOUT_S = 60.0
 LINGER_S = 2.0
 """How long a closed connection still reads (and drops) what its client sends: see
 OpenAIServer.shutdown_request."""
+Record = Callable[[list[int], Completion], None]
+"""Records one finished completion of a prompt (a no-op outside an episode)."""
 DISCONNECT_POLL_S = 0.1
 """How often a connection waiting for a non-streamed answer checks that its client is there."""
 
@@ -98,10 +102,14 @@ class OpenAIServer(ThreadingHTTPServer):
         api_key: str | None,
         tls: ssl.SSLContext | None = None,
         body_timeout_s: float = BODY_TIMEOUT_S,
+        recorder: CompletionRecorder | None = None,
     ):
         """`tls`: serve HTTPS with this server-side context (rollout.serve.loading.tls_context).
-        `body_timeout_s`: how long a request body may stall before the request gets 408."""
+        `body_timeout_s`: how long a request body may stall before the request gets 408.
+        `recorder`: serve the episode routes (`/episodes/{id}/v1/...`) and record there every
+        completion served (recording.py); without one those routes are 404."""
         self.model = model
+        self.recorder = recorder
         self.api_key = api_key
         self.body_timeout_s = body_timeout_s
         self.stopping = False
@@ -120,6 +128,12 @@ class OpenAIServer(ThreadingHTTPServer):
     def url(self) -> str:
         host, port = self.server_address[:2]
         return f"{'https' if self.https else 'http'}://{host}:{port}/v1"
+
+    def episode_url(self, episode_id: str) -> str:
+        """The base URL an agent of this episode is given: the same API, recorded."""
+        if EPISODE_ID.fullmatch(episode_id) is None:
+            raise ValueError(f"not an episode id: {episode_id!r} (letters, digits, . _ -)")
+        return self.url.removesuffix("/v1") + f"/episodes/{episode_id}/v1"
 
     def stop(self) -> None:
         """Graceful shutdown (from any thread but serve_forever's): stop accepting, close idle
@@ -175,6 +189,8 @@ ROUTES = {
     "/v1/chat/completions": "POST",
 }
 """path -> the one method it takes."""
+EPISODE_PREFIX = "/episodes/"
+"""`/episodes/{episode_id}` + a route: the route, its completions recorded for the episode."""
 
 
 class _Handler(JsonHandler):
@@ -234,6 +250,7 @@ class _Handler(JsonHandler):
         try:
             self._check_key()
             path = self.path.split("?", 1)[0].rstrip("/")
+            episode, path = self._episode(path)
             wanted = ROUTES.get(path)
             if wanted is None:
                 self.read_body()  # keep the connection usable
@@ -249,13 +266,32 @@ class _Handler(JsonHandler):
             if path == "/v1/models":
                 self._models()
             else:
-                self._generate("chat" if path == "/v1/chat/completions" else "completion")
+                self._generate("chat" if path == "/v1/chat/completions" else "completion", episode)
         except ApiError as error:
             self.send_json(error.status, error.body())
         except Exception:
             log.exception("internal error on %s %s", method, redact_text(self.path[:200]))
             error = ApiError(500, "internal server error", type="server_error")
             self.send_json(500, error.body())
+
+    def _episode(self, path: str) -> tuple[str | None, str]:
+        """(episode id, the route under it) for an episode path, (None, path) otherwise."""
+        if not path.startswith(EPISODE_PREFIX):
+            return None, path
+        episode, _, rest = path[len(EPISODE_PREFIX) :].partition("/")
+        if self.server.recorder is None:
+            self.read_body()
+            raise ApiError(
+                404, "episode routes are served only with a completion recorder", code="not_found"
+            )
+        if EPISODE_ID.fullmatch(episode) is None:
+            self.read_body()
+            raise ApiError(
+                404,
+                f"not an episode id: {episode[:200]!r} (1-128 letters, digits, '.', '_', '-')",
+                code="not_found",
+            )
+        return episode, "/" + rest
 
     def _check_key(self) -> None:
         key = self.server.api_key
@@ -290,7 +326,7 @@ class _Handler(JsonHandler):
             },
         )
 
-    def _generate(self, kind: str) -> None:
+    def _generate(self, kind: str, episode: str | None) -> None:
         body = self.read_body()
         try:
             payload = json.loads(body)
@@ -299,11 +335,23 @@ class _Handler(JsonHandler):
             raise ApiError(400, f"the body is not valid JSON: {str(error)[:200]}") from None
         model = self.server.model
         request = parse_request(kind, payload, model.info)  # type: ignore[arg-type]
+        record = self._recording(request, episode)
         handles = self._submit(request)
         if request.stream:
-            self._stream(request, handles)
+            self._stream(request, handles, record)
         else:
-            self._answer(request, handles)
+            self._answer(request, handles, record)
+
+    def _recording(self, request: GenerationRequest, episode: str | None) -> Record:
+        """What records a finished completion of prompt i: the recorder's, for an episode."""
+        recorder = self.server.recorder
+        if episode is None or recorder is None:
+            return lambda prompt, completion: None
+        try:
+            recorder.check_room()
+        except RecorderFull as error:
+            raise ApiError(503, str(error), type="server_error", code="unavailable") from None
+        return lambda prompt, completion: recorder.record(episode, request.kind, prompt, completion)
 
     def _submit(self, request: GenerationRequest) -> list[RequestHandle]:
         service = self.server.model.service
@@ -315,7 +363,9 @@ class _Handler(JsonHandler):
 
     # --- answers -------------------------------------------------------------------------------
 
-    def _answer(self, request: GenerationRequest, handles: list[RequestHandle]) -> None:
+    def _answer(
+        self, request: GenerationRequest, handles: list[RequestHandle], record: Record
+    ) -> None:
         for handle in handles:
             while not handle.wait(DISCONNECT_POLL_S):
                 if self._client_gone():
@@ -324,6 +374,9 @@ class _Handler(JsonHandler):
                     self.close_connection = True
                     return
         results = [handle.result() for handle in handles]
+        for prompt, completions in zip(request.prompts, results, strict=True):
+            for completion in completions:
+                record(prompt, completion)
         kind, model = request.kind, self.server.model
         body = envelope(kind, response_id(kind), model.info.name, chunk=False)
         choices = []
@@ -352,7 +405,9 @@ class _Handler(JsonHandler):
         body["usage"] = usage(request.prompts, [c for cs in results for c in cs])
         self.send_json(200, body)
 
-    def _stream(self, request: GenerationRequest, handles: list[RequestHandle]) -> None:
+    def _stream(
+        self, request: GenerationRequest, handles: list[RequestHandle], record: Record
+    ) -> None:
         kind, model = request.kind, self.server.model
         ident = response_id(kind)
         self.send_response(200)
@@ -381,6 +436,7 @@ class _Handler(JsonHandler):
                 if event.completion is not None:
                     completion = event.completion
                     completions.append(completion)
+                    record(request.prompts[number], completion)
                     choice["finish_reason"] = OPENAI_FINISH[completion.finish_reason]
                     choice["rollout"] = rollout_fields(request.prompts[number], completion)
                 self._event(chunk)
