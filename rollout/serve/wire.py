@@ -98,8 +98,10 @@ class _LingeringTransport:
         transport = self._transport
         if transport.is_closing() or self._protocol.lingering:
             return
-        if self._protocol.peer_eof or not transport.can_write_eof():
-            transport.close()  # nothing more can come (or TLS, which cannot half-close)
+        between_requests = self._protocol.conn.their_state in (h11.IDLE, h11.DONE)
+        if between_requests or self._protocol.peer_eof or not transport.can_write_eof():
+            # Nothing unread is coming (or TLS, which cannot half-close): close at once.
+            transport.close()
             return
         self._protocol.lingering = True
         transport.write_eof()  # sent after what is buffered
