@@ -45,7 +45,7 @@ from typing import Any
 import uvicorn
 from starlette.responses import Response, StreamingResponse
 
-from rollout.engines.base import Completion
+from rollout.engines.base import Completion, SamplingParams
 from rollout.engines.service import (
     EngineService,
     EventMerger,
@@ -127,17 +127,21 @@ class OpenAIServer:
         body_timeout_s: float = BODY_TIMEOUT_S,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
         recorder: CompletionRecorder | None = None,
+        episode_sampling: Callable[[SamplingParams], SamplingParams] | None = None,
     ):
         """Binds `address` (OSError if it cannot). `tls`: serve HTTPS with this server-side
         context (rollout.serve.loading.tls_context). `body_timeout_s`: how long a request body
         may stall before the request gets 408. `idle_timeout_s`: how long a connection may wait
         for its next request (or the rest of its request head) before it is closed. `recorder`: serve the episode routes
         (`/episodes/{id}/v1/...`) and record there every completion served (recording.py);
-        without one those routes are 404."""
+        without one those routes are 404. `episode_sampling`: what an episode request samples
+        with, given what it asked for (a training run overrides an agent's temperature with its
+        own, so the recorded log-probs are the ones its learner recomputes)."""
         self.model = model
         self.api_key = api_key
         self.body_timeout_s = body_timeout_s
         self.recorder = recorder
+        self.episode_sampling = episode_sampling
         self.https = tls is not None
         host, port = address
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -323,7 +327,7 @@ class OpenAIServer:
             if request.stream or all(handle.done for handle in handles):
                 wake()
 
-        handles[:] = self._submit(request, notify)
+        handles[:] = self._submit(request, notify, episode)
         if request.stream:
             return _SseResponse(self._stream(request, handles, woken, record), handles)
         return await self._answer(request, handles, woken, record, scope, receive)
@@ -340,9 +344,11 @@ class OpenAIServer:
         return lambda prompt, completion: recorder.record(episode, request.kind, prompt, completion)
 
     def _submit(
-        self, request: GenerationRequest, notify: Callable[[], None]
+        self, request: GenerationRequest, notify: Callable[[], None], episode: str | None = None
     ) -> list[RequestHandle]:
         params = [per_prompt(request, index) for index in range(len(request.prompts))]
+        if episode is not None and self.episode_sampling is not None:
+            params = [self.episode_sampling(each) for each in params]
         try:
             return self.model.service.submit_many(request.prompts, params, notify=notify)
         except (ServiceBusy, ServiceClosed) as error:
