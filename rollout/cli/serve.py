@@ -93,7 +93,8 @@ def serve(
     Stops gracefully on SIGTERM or Ctrl-C: requests in flight are answered first.
     """
     from rollout.inference.batch import resolve_device
-    from rollout.serve.loading import load_served, resolve_api_key, resolve_source, tls_context
+    from rollout.inference.serve_source import load_served, resolve_source
+    from rollout.serve.loading import resolve_api_key, tls_context
 
     # OpenMP's worker threads spin while they wait for work. Here the engine thread shares the
     # cores with the connection threads, and spinning workers starve them (and it): 8 streaming

@@ -24,7 +24,8 @@ from typer.testing import CliRunner
 
 from rollout.cli.app import app
 from rollout.errors import RolloutError
-from rollout.serve.loading import load_served, resolve_source, tls_context
+from rollout.inference.serve_source import load_served, resolve_source
+from rollout.serve.loading import tls_context
 from rollout.serve.server import OpenAIServer
 
 # test_run_grpo's run-making helpers and its workdir fixture (a copy of examples/).

@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from rollout.serve.loading import load_served, resolve_source
+from rollout.inference.serve_source import load_served, resolve_source
 from rollout.serve.recording import CompletionRecorder
 from rollout.serve.server import OpenAIServer
 

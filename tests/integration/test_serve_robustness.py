@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollout.serve.loading import load_served, resolve_source
+from rollout.inference.serve_source import load_served, resolve_source
 from rollout.serve.protocol import Defaults
 from rollout.serve.server import MAX_BODY_BYTES, OpenAIServer
 

@@ -63,7 +63,7 @@ def test_serve_defaults_to_auto_as_generate_does(cuda, monkeypatch, gpus):
         seen.update(options)
         raise RolloutError(Issue("--model", "stop here"))
 
-    monkeypatch.setattr("rollout.serve.loading.load_served", load_served)
+    monkeypatch.setattr("rollout.inference.serve_source.load_served", load_served)
     result = runner.invoke(app, ["serve", "--model", "builtin:tiny-llama"])
     assert result.exit_code == 2 and "stop here" in result.output
     assert seen["device"] == ("cuda" if gpus else "cpu")
@@ -114,7 +114,7 @@ def test_a_credential_in_a_url_is_never_printed(tmp_path, monkeypatch, url, name
 
 
 def test_a_url_models_served_name_leaves_its_query_out():
-    from rollout.serve.loading import resolve_source
+    from rollout.inference.serve_source import resolve_source
 
     url = f"https://host/models/m.gguf?X-Amz-Signature={CANARY}&token={CANARY}"
     assert resolve_source(config=None, model=url, checkpoint=None, name=None).name == "m.gguf"

@@ -36,7 +36,8 @@ ALLOWED = {
     "planner": {"config", "plugins", "models", "harness"},  # the compiler
     "executor": {"config", "planner", "storage"},  # host side: verify a plan, launch, supervise
     # Inside a torchrun worker: composes the roles from the plan, and keeps the host's contract
-    # (executor: where a failing rank leaves its traceback, dying with its parent).
+    # (executor: where a failing rank leaves its traceback, dying with its parent); serves the
+    # policy to agent programs over the OpenAI endpoint (serve: the server and its recorder).
     "runtime": {
         "config",
         "planner",
@@ -47,11 +48,13 @@ ALLOWED = {
         "algorithms",
         "storage",
         "executor",
+        "serve",
     },
     # `rollout generate`: a model, prompts and an engine, as a worker composes them; reads the
     # checkpoints a run wrote (runtime.checkpoint is their format). `rollout eval` scores what
     # it samples with the harness's scorers, or a scorer plugin resolved as rewards are.
     "inference": {
+        "serve",  # the model sources `rollout serve` serves (inference/serve_source.py)
         "config",
         "planner",
         "plugins",
@@ -61,7 +64,8 @@ ALLOWED = {
         "runtime",
         "harness",
     },
-    "serve": {"config", "models", "engines", "inference"},  # `rollout serve`, over inference
+    # The OpenAI-compatible server and its recorder, over an engine (a training run's own too).
+    "serve": {"config", "models", "engines"},
     "testing": {"config", "planner", "models"},  # helpers for tests and plugin authors
     "cloud": set(),
     # `rollout snapshot`: a run's plan, checkpoint (runtime's format) and records, moved between

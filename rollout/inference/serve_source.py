@@ -1,0 +1,172 @@
+"""What `rollout serve` serves: a model named by a config, a path or a checkpoint, loaded as a
+training worker loads it (rollout.models.loading.load_model), behind an EngineService
+(rollout.serve.loading.served_engine).
+
+Sources, exactly one:
+- a config file: its [model] section (with its tokenizer and chat template overrides) and its
+  [generation] section as the request defaults;
+- a model: a Hugging Face directory, a .gguf file, `builtin:NAME` or `package:NAME`;
+- a checkpoint: a step directory (runs/<id>/checkpoints/step-000010), a run directory or its
+  checkpoints directory (the latest complete step), or a run id from the run store. Completions
+  then carry the checkpoint's step as their policy version.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from rollout.config.model import ModelSection
+from rollout.errors import Issue, RolloutError
+from rollout.serve.loading import served_engine
+from rollout.serve.protocol import Defaults
+
+
+@dataclass(frozen=True)
+class ServeSource:
+    """The model to serve and how, as the command line gave it."""
+
+    section: ModelSection
+    base_dir: Path
+    name: str
+    defaults: Defaults
+    max_batch_size: int | None = None
+    policy_version: int = 0
+    option: str = "--model"
+    """The option that named the model, where its problems are reported."""
+
+
+def resolve_source(
+    *, config: Path | None, model: str | None, checkpoint: str | None, name: str | None
+) -> ServeSource:
+    """The one source among --config, --model and --checkpoint (a RolloutError otherwise)."""
+    given = [
+        flag
+        for flag, value in (("--config", config), ("--model", model), ("--checkpoint", checkpoint))
+        if value is not None
+    ]
+    if len(given) != 1:
+        raise RolloutError(
+            Issue(
+                "rollout serve",
+                "give exactly one of --config, --model or --checkpoint"
+                + (f" (got {', '.join(given)})" if given else ""),
+                hint="e.g. rollout serve --model builtin:tiny-llama",
+            )
+        )
+    if config is not None:
+        return _from_config(config, name)
+    if model is not None:
+        section = _model_section(model)
+        # A URL's name is the last part of its path: its query may hold a signature or a token.
+        where = urlsplit(model).path if "://" in model else model
+        default_name = section.builtin or section.package or Path(where).name
+        return ServeSource(section, Path.cwd(), name or default_name, Defaults())
+    assert checkpoint is not None
+    step_dir = _checkpoint_dir(checkpoint)
+    section = ModelSection(path=str(step_dir / "model"))
+    default_name = f"{step_dir.parent.parent.name}/{step_dir.name}"
+    return ServeSource(
+        section,
+        Path.cwd(),
+        name or default_name,
+        Defaults(),
+        policy_version=_step(step_dir),
+        option="--checkpoint",
+    )
+
+
+def load_served(
+    source: ServeSource, *, device: str, dtype: str, seed: int | None, max_batch_size: int | None
+) -> Any:
+    """Load the model and start an EngineService: (ServedModel, the service)."""
+    from rollout.engines.build import build_engine
+    from rollout.inference.model_choice import inspect_model_at
+    from rollout.models.loading import load_model
+
+    facts = inspect_model_at(source.section, source.base_dir, source.option)
+    if dtype == "auto":
+        dtype = source.section.dtype
+    if dtype == "auto":
+        dtype = "float32" if device == "cpu" else "bfloat16"
+    loaded = load_model(facts, source.section, dtype=dtype, device=device, base_dir=source.base_dir)
+    engine = build_engine(
+        "hf",  # EngineService drives the hf engine's decode batch
+        model=loaded.model,
+        tokenizer=loaded.tokenizer,
+        eos_token_ids=loaded.eos_token_ids,
+        pad_token_id=loaded.pad_token_id,
+        device=device,
+        max_batch_size=max_batch_size or source.max_batch_size,
+        seed=seed,
+    )
+    engine.load_weights(None, version=source.policy_version)
+    return served_engine(
+        engine,
+        loaded.tokenizer,
+        loaded.chat_template,
+        name=source.name,
+        defaults=source.defaults,
+    )
+
+
+def _from_config(path: Path, name: str | None) -> ServeSource:
+    from rollout.config import load_config
+
+    config = load_config(path)
+    generation = config.generation
+    defaults = Defaults(
+        max_tokens=generation.max_new_tokens,
+        temperature=generation.temperature,
+        top_p=generation.top_p,
+        top_k=generation.top_k,
+        stop=tuple(generation.stop),
+    )
+    section = config.model
+    default_name = section.builtin or section.package or section.hub or config.run.name
+    return ServeSource(
+        section,
+        path.resolve().parent,
+        name or default_name,
+        defaults,
+        max_batch_size=generation.max_batch_size,
+        option="model",
+    )
+
+
+def _model_section(model: str) -> ModelSection:
+    """--model read as `rollout generate` reads it."""
+    from rollout.inference.model_choice import model_source
+
+    chosen = {k: v for k, v in model_source(model).items() if v is not None and k != "format"}
+    return _section("--model", **chosen)
+
+
+def _section(flag: str, **fields: Any) -> ModelSection:
+    from pydantic import ValidationError
+
+    try:
+        return ModelSection(**fields)
+    except ValidationError as error:
+        message = "; ".join(e["msg"] for e in error.errors())
+        raise RolloutError(Issue(flag, message, value=next(iter(fields.values())))) from None
+
+
+def _checkpoint_dir(checkpoint: str) -> Path:
+    """The step directory --checkpoint names (a step, run or checkpoints directory, or a run
+    id), found as `rollout generate --checkpoint` finds it."""
+    from rollout.inference.model_choice import find_checkpoint
+
+    return find_checkpoint(checkpoint).model_dir.parent
+
+
+def _step(step_dir: Path) -> int:
+    """The checkpoint's training step: the policy version of what it samples."""
+    try:
+        return int(json.loads((step_dir / "trainer.json").read_text(encoding="utf-8"))["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        digits = "".join(c for c in step_dir.name if c.isdigit())
+        return int(digits) if digits else 0
