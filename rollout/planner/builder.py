@@ -57,6 +57,7 @@ from rollout.planner.placement import build_graph, max_restarts
 from rollout.planner.reward_model import model_directory_of, resolve_reward_model
 from rollout.planner.runnable import run_refusals
 from rollout.planner.store_check import store_issues
+from rollout.planner.tools import resolve_tools
 from rollout.planner.trackers import tracker_issues
 from rollout.plugins.identity import PluginIdentity, installed_version
 from rollout.seeds import derive_seed
@@ -104,6 +105,7 @@ def build_plan(
     fields = _reward_fields(run_config, data)
     rewards = _resolve_rewards(run_config, base, fields, issues)
     environment = _resolve_environment(run_config, base, issues)
+    tools, tool_sandbox = resolve_tools(run_config, base, issues)
     device = _resolve_device(run_config, hardware, issues)
     if model is not None:
         issues.extend(_context_issues(run_config, model))
@@ -152,6 +154,8 @@ def build_plan(
         derived=derived,
         rewards=rewards,
         environment=environment,
+        tools=tools,
+        tool_sandbox=tool_sandbox,
         model=model,
         data=data,
         hardware=hardware,
@@ -290,13 +294,14 @@ def _resolve_environment(
     (and a built-in built with them, so a bad value fails now rather than at step 1)."""
     from rollout.harness.environments import BUILTIN_ENVIRONMENTS, SINGLE_TURN
     from rollout.harness.environments.single_turn import SingleTurn
+    from rollout.harness.environments.tools import TOOLS, ToolEnvironment
     from rollout.plugins.probe import probe_imports
     from rollout.plugins.resolve import import_probe, resolve_plugin
 
     spec = config.environment
     if spec is None or config.algorithm.kind not in ONLINE_KINDS:
         return None
-    builtins = {**BUILTIN_ENVIRONMENTS, SINGLE_TURN: SingleTurn}
+    builtins = {**BUILTIN_ENVIRONMENTS, SINGLE_TURN: SingleTurn, TOOLS: ToolEnvironment}
     where = {"base_dir": base, "used_by": "environment.name", "builtins": builtins}
     probe = import_probe(spec.name, group="rollout.environments", **where)
     failed = probe_imports([probe] if probe is not None else [])
@@ -306,7 +311,7 @@ def _resolve_environment(
     resolved = _collect(
         issues, lambda: resolve_plugin(spec.name, group="rollout.environments", **where)
     )
-    if resolved is None or spec.is_single_turn:
+    if resolved is None or spec.is_single_turn or spec.is_tools:
         return resolved.identity if resolved is not None else None
     try:
         inspect.signature(resolved.fn).bind(**spec.options)
@@ -342,8 +347,10 @@ def _resolve_environment(
 
 
 def _plays(config: RunConfig) -> bool:
-    """Whether the run plays a multi-turn environment (which, not [[rewards]], gets the rows)."""
-    return config.environment is not None and not config.environment.is_single_turn
+    """Whether the run plays an environment that scores itself (which, not [[rewards]], gets
+    the rows)."""
+    env = config.environment
+    return env is not None and not env.is_single_turn and not env.is_tools
 
 
 def _reward_model(spec: RewardSpec, base: Path, used_by: str) -> ModelRewardRecord:
