@@ -101,11 +101,13 @@ def build_plan(
     issues: list[Issue] = []
     hardware = hardware or probe_hardware()
     model = _collect(issues, lambda: inspect_model(run_config.model, base_dir=base))
-    data = _inspect_all_data(run_config, base, issues, model)
+    # The tools come first: every episode's first message starts with their declarations,
+    # which the data check counts against max_prompt_tokens.
+    tools = resolve_tools(run_config, base, issues)
+    data = _inspect_all_data(run_config, base, issues, model, tools.instructions)
     fields = _reward_fields(run_config, data)
     rewards = _resolve_rewards(run_config, base, fields, issues)
     environment = _resolve_environment(run_config, base, issues)
-    tools, tool_sandbox = resolve_tools(run_config, base, issues)
     device = _resolve_device(run_config, hardware, issues)
     if model is not None:
         issues.extend(_context_issues(run_config, model))
@@ -154,8 +156,8 @@ def build_plan(
         derived=derived,
         rewards=rewards,
         environment=environment,
-        tools=tools,
-        tool_sandbox=tool_sandbox,
+        tools=tools.records,
+        tool_sandbox=tools.sandbox,
         model=model,
         data=data,
         hardware=hardware,
@@ -188,11 +190,15 @@ def _required_fields(config: RunConfig) -> dict[str, str]:
 
 
 def _inspect_all_data(
-    config: RunConfig, base: Path, issues: list[Issue], model: ModelFacts | None
+    config: RunConfig,
+    base: Path,
+    issues: list[Issue],
+    model: ModelFacts | None,
+    tool_instructions: str | None = None,
 ) -> list[DataFacts]:
     required = _required_fields(config)
     # Offline objectives tokenize every record with the model's tokenizer (lengths, labels).
-    check, run_issues = record_check(config, model, base)
+    check, run_issues = record_check(config, model, base, tool_instructions)
     issues.extend(run_issues)
     mapping = config.data.fields
     paired = None

@@ -10,6 +10,7 @@ says to run with the fallback (then the plan warns, and plan.lock records the ch
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from rollout.config.algorithm import ONLINE_KINDS
@@ -17,7 +18,7 @@ from rollout.config.environment import EnvironmentSection
 from rollout.config.root import RunConfig
 from rollout.errors import Issue, RolloutError
 from rollout.harness.sandbox import SandboxReport, probe_sandbox
-from rollout.harness.tools import BUILTIN_TOOLS, Tool, plugin_tool
+from rollout.harness.tools import BUILTIN_TOOLS, Tool, Toolbox, plugin_tool
 from rollout.planner.definition import ToolRecord, ToolSandbox
 from rollout.plugins.probe import probe_imports
 from rollout.plugins.resolve import import_probe, resolve_plugin
@@ -26,12 +27,18 @@ GROUP = "rollout.tools"
 """The entry-point group a tool name is looked up in when it is not a built-in."""
 
 
-def resolve_tools(
-    config: RunConfig, base: Path, issues: list[Issue]
-) -> tuple[list[ToolRecord], ToolSandbox | None]:
+@dataclass(frozen=True)
+class ResolvedTools:
+    records: list[ToolRecord]
+    sandbox: ToolSandbox | None
+    instructions: str | None
+    """What every episode's first message starts with (None without tools)."""
+
+
+def resolve_tools(config: RunConfig, base: Path, issues: list[Issue]) -> ResolvedTools:
     spec = config.environment
     if spec is None or not spec.is_tools or config.algorithm.kind not in ONLINE_KINDS:
-        return [], None
+        return ResolvedTools([], None, None)
     probes = [
         import_probe(
             tool.name,
@@ -45,10 +52,13 @@ def resolve_tools(
     failed = probe_imports([p for p in probes if p is not None])
     issues.extend(failed.values())
     records: list[ToolRecord] = []
+    built: list[Tool] = []
     for i in range(len(spec.tools)):
         if f"environment.tools[{i}].name" not in failed:
-            record = _resolve_one(spec, i, base, issues)
-            records.extend([record] if record is not None else [])
+            found = _resolve_one(spec, i, base, issues)
+            if found is not None:
+                records.append(found[0])
+                built.append(found[1])
     names = [record.name for record in records]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
@@ -59,12 +69,14 @@ def resolve_tools(
                 hint="give each function tool its own name in its declaration",
             )
         )
-    return records, _sandbox(spec, records, issues)
+        return ResolvedTools(records, _sandbox(spec, records, issues), None)
+    instructions = Toolbox(built).instructions(spec.tool_format) if built else None
+    return ResolvedTools(records, _sandbox(spec, records, issues), instructions)
 
 
 def _resolve_one(
     spec: EnvironmentSection, i: int, base: Path, issues: list[Issue]
-) -> ToolRecord | None:
+) -> tuple[ToolRecord, Tool] | None:
     tool = spec.tools[i]
     where = f"environment.tools[{i}]"
     try:
@@ -113,13 +125,14 @@ def _resolve_one(
         )
         return None
     declaration = None if builtin else built.schema()["function"]
-    return ToolRecord(
+    record = ToolRecord(
         name=built.name,
         plugin=resolved.identity,
         options=tool.options,
         function=declaration,
         runs_code=built.runs_code,
     )
+    return record, built
 
 
 def _sandbox(

@@ -53,7 +53,7 @@ class ToolEnvironment:
             workdir.mkdir()
             self._contexts.append(ToolContext(workdir, self.require_network_isolation))
         intro = self.toolbox.instructions(self.format)
-        return [f"{intro}\n\n{row[self._prompt_field]}" for row in rows]
+        return [first_message(intro, row[self._prompt_field]) for row in rows]
 
     def step(self, episodes: Sequence[int], actions: Sequence[str]) -> list[StepResult]:
         results: dict[int, StepResult] = {}
@@ -86,6 +86,12 @@ class ToolEnvironment:
         if self._root is not None:
             shutil.rmtree(self._root, ignore_errors=True)
             self._root = None
+
+
+def first_message(instructions: str, prompt: object) -> str:
+    """An episode's first message: the tools and how to call them, then the task (the planner
+    counts its tokens against generation.max_prompt_tokens the same way)."""
+    return f"{instructions}\n\n{prompt}"
 
 
 def _observation(outcomes: list[Outcome]) -> str:
