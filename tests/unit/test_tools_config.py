@@ -26,7 +26,7 @@ def with_tools(base: dict[str, Any], *tools: dict[str, Any], **environment: Any)
         "tools": list(tools) or [{"name": "calculator"}],
         **environment,
     }
-    raw["generation"]["max_prompt_tokens"] = 256
+    raw["generation"]["max_prompt_tokens"] = 700  # declarations: a token per char or two here
     return raw
 
 
@@ -137,6 +137,13 @@ def test_plan_refuses_two_tools_with_one_name(config_file, base_config):
     )
 
 
+def test_plan_counts_the_tools_declarations_against_max_prompt_tokens(config_file, base_config):
+    raw = with_tools(base_config)
+    raw["generation"]["max_prompt_tokens"] = 100  # the prompts alone fit in 32
+    message = plan_issues(config_file, raw)["generation.max_prompt_tokens"].message
+    assert "the tools' declarations before it" in message
+
+
 def test_allow_unsandboxed_without_a_code_tool_is_refused(config_file, base_config):
     found = plan_issues(config_file, with_tools(base_config, allow_unsandboxed=True))
     assert "nothing to run unsandboxed" in found["environment.allow_unsandboxed"].message
@@ -189,3 +196,20 @@ def test_the_opt_out_plans_warns_and_is_recorded_in_plan_lock(
     assert read_plan(lock).tool_sandbox == plan.tool_sandbox
     [warning] = planner_tools.sandbox_warnings(plan.tool_sandbox)
     assert warning.startswith("running tools without a full sandbox: network isolation")
+
+
+def test_rollout_plan_prints_the_opt_outs_warnings_and_explains_the_sandbox(
+    config_file, base_config, host_without_network_isolation, tmp_path
+):
+    from typer.testing import CliRunner
+
+    from rollout.cli.app import app
+
+    raw = with_tools(base_config, {"name": "python"}, allow_unsandboxed=True)
+    lock = tmp_path / "plan.lock"
+    result = CliRunner().invoke(
+        app, ["plan", "--config", str(config_file(raw)), "-o", str(lock), "--explain"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "warning: running tools without a full sandbox: network isolation" in result.output
+    assert "sandbox   without: network isolation" in result.output
