@@ -17,6 +17,7 @@ from rollout.config.algorithm import ONLINE_KINDS
 from rollout.config.environment import EnvironmentSection
 from rollout.config.root import RunConfig
 from rollout.errors import Issue, RolloutError
+from rollout.harness.environments.tools import STEP_MARGIN_S
 from rollout.harness.sandbox import SandboxReport, probe_sandbox
 from rollout.harness.tools import BUILTIN_TOOLS, Tool, Toolbox, plugin_tool
 from rollout.planner.definition import ToolRecord, ToolSandbox
@@ -70,8 +71,29 @@ def resolve_tools(config: RunConfig, base: Path, issues: list[Issue]) -> Resolve
             )
         )
         return ResolvedTools(records, _sandbox(spec, records, issues), None)
-    instructions = Toolbox(built).instructions(spec.tool_format) if built else None
+    toolbox = Toolbox(built)
+    issues.extend(_time_issues(spec, toolbox))
+    instructions = toolbox.instructions(spec.tool_format) if built else None
     return ResolvedTools(records, _sandbox(spec, records, issues), instructions)
+
+
+def _time_issues(spec: EnvironmentSection, toolbox: Toolbox) -> list[Issue]:
+    """A call is started only when its limit ends inside the step's time: a tool whose limit
+    does not fit could never be called."""
+    needed = toolbox.max_s + STEP_MARGIN_S
+    if toolbox.max_s == 0 or spec.timeout_s > needed:
+        return []
+    slowest = max(toolbox.tools.values(), key=lambda tool: tool.max_s)
+    return [
+        Issue(
+            "environment.timeout_s",
+            f"the tool {slowest.name!r} may take {slowest.max_s:g} s a call, and a step keeps "
+            f"{STEP_MARGIN_S:g} s in hand: a step of {spec.timeout_s:g} s could never call it",
+            value=spec.timeout_s,
+            hint=f"raise environment.timeout_s above {needed:g}, or lower the tool's time "
+            "limit (wall_s, timeout_s)",
+        )
+    ]
 
 
 def _resolve_one(

@@ -4,6 +4,7 @@ the run's rewards and ends the episode; tool-call counts reach the episode metri
 
 from __future__ import annotations
 
+import time
 from functools import partial
 
 import pytest
@@ -16,6 +17,7 @@ from rollout.harness.environments.runner import EnvironmentRunner
 from rollout.harness.environments.tools import ToolEnvironment
 from rollout.harness.reward_runner import RewardRunner
 from rollout.harness.rewards import BUILTIN_REWARDS
+from rollout.harness.sandbox import probe_sandbox
 from rollout.harness.tools import BUILTIN_TOOLS, Toolbox
 from rollout.models.loading import apply_chat_template
 from rollout.runtime.online.actor import PromptFormat
@@ -218,3 +220,25 @@ def test_environments_without_tools_report_no_tool_metrics(tiny_llama, engine):
 
     metrics = actor(tiny_llama, engine, Once()).rollout(ROWS, seed=1).metrics
     assert not any(name.startswith("episode/tool") for name in metrics)
+
+
+def test_slow_tool_calls_run_side_by_side_and_never_overrun_the_step():
+    if not probe_sandbox().works("network isolation"):
+        pytest.skip("this host's sandbox cannot isolate the network")
+    env = ToolEnvironment(
+        numeric_match,
+        "prompt",
+        Toolbox([BUILTIN_TOOLS["python"](wall_s=1.5, cpu_s=5)]),
+        step_timeout_s=4.5,  # 2.5 s for calls after the margin: one 1.5 s call per answer
+    )
+    env.reset(ROWS * 4, seed=0)
+    spin = '<tool_call>{"name": "python", "arguments": {"code": "while True: pass"}}</tool_call>'
+    started = time.monotonic()
+    results = env.step([0, 1, 2, 3], [spin * 3] * 4)
+    took = time.monotonic() - started
+    assert took < 4.5, took  # four episodes' 1.5 s calls at once, not 4 x 3 x 1.5 s
+    for result in results:
+        first, *rest = result.observation.split("\n\n")
+        assert "stopped: timeout" in first
+        assert all("no time left in this turn for python" in text for text in rest)
+    env.close()

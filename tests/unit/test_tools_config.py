@@ -144,6 +144,12 @@ def test_plan_counts_the_tools_declarations_against_max_prompt_tokens(config_fil
     assert "the tools' declarations before it" in message
 
 
+def test_plan_refuses_a_step_too_short_for_a_tools_time_limit(config_file, base_config):
+    raw = with_tools(base_config, {"name": "python", "options": {"wall_s": 20}}, timeout_s=15)
+    message = plan_issues(config_file, raw)["environment.timeout_s"].message
+    assert "'python' may take 20 s a call" in message
+
+
 def test_allow_unsandboxed_without_a_code_tool_is_refused(config_file, base_config):
     found = plan_issues(config_file, with_tools(base_config, allow_unsandboxed=True))
     assert "nothing to run unsandboxed" in found["environment.allow_unsandboxed"].message

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,6 +24,12 @@ from rollout.harness.environments.single_turn import Score
 from rollout.harness.tools import Outcome, Toolbox, ToolContext, ToolFormat, parse_calls
 
 TOOLS = "tools"
+MAX_PARALLEL_CALLS = 32
+"""Episodes whose tool calls run at once; more wait for a free worker."""
+STEP_MARGIN_S = 2.0
+"""Time kept free at the end of a step (a sandboxed process's teardown, the step's bookkeeping):
+a tool call starts only when its limit ends this long before environment.timeout_s."""
+"""Episodes whose tool calls run at once; more wait for a free worker."""
 
 
 class ToolEnvironment:
@@ -33,8 +41,12 @@ class ToolEnvironment:
         *,
         format: ToolFormat = "hermes",
         require_network_isolation: bool = True,
+        step_timeout_s: float | None = None,
     ):
         self._score = score
+        self.step_timeout_s = step_timeout_s
+        """The step's time limit (environment.timeout_s): a call whose tool could run past it,
+        less STEP_MARGIN_S, is not started, so slow tools cannot make the step overrun."""
         self._prompt_field = prompt_field
         self.toolbox = toolbox
         self.format = format
@@ -56,14 +68,23 @@ class ToolEnvironment:
         return [first_message(intro, row[self._prompt_field]) for row in rows]
 
     def step(self, episodes: Sequence[int], actions: Sequence[str]) -> list[StepResult]:
-        results: dict[int, StepResult] = {}
-        finals: list[int] = []
-        for position, (episode, action) in enumerate(zip(episodes, actions, strict=True)):
-            calls = parse_calls(action, self.format)
-            if not calls:
-                finals.append(position)
-                continue
-            outcomes = [self.toolbox.run(call, self._contexts[episode]) for call in calls]
+        limit = self.step_timeout_s
+        deadline = None if limit is None else time.monotonic() + limit - STEP_MARGIN_S
+        parsed = [parse_calls(action, self.format) for action in actions]
+        finals = [position for position, calls in enumerate(parsed) if not calls]
+        calling = [position for position, calls in enumerate(parsed) if calls]
+        results = self._score_finals(episodes, actions, finals)
+
+        def answer(position: int) -> list[Outcome]:
+            # one answer's calls in order (a later call may read what an earlier one wrote)
+            context = self._contexts[episodes[position]]
+            return [self.toolbox.run(call, context, deadline) for call in parsed[position]]
+
+        # Episodes' calls run side by side: a tool waiting on its sandboxed process holds no
+        # lock, so a step takes about its slowest answer, not the sum of all.
+        with ThreadPoolExecutor(max(1, min(len(calling), MAX_PARALLEL_CALLS))) as pool:
+            answered = list(pool.map(answer, calling))
+        for position, outcomes in zip(calling, answered, strict=True):
             results[position] = StepResult(
                 _observation(outcomes),
                 role="tool",
@@ -72,15 +93,23 @@ class ToolEnvironment:
                     "invalid_tool_calls": sum(not outcome.valid for outcome in outcomes),
                 },
             )
-        if finals:
-            rows = [self._rows[episodes[p]] for p in finals]
-            prompts = [str(row[self._prompt_field]) for row in rows]
-            rewards = self._score(prompts, [actions[p] for p in finals], rows)
-            for position, reward in zip(finals, rewards, strict=True):
-                results[position] = StepResult(
-                    reward=reward, done=True, info={"tool_calls": 0, "invalid_tool_calls": 0}
-                )
         return [results[position] for position in range(len(episodes))]
+
+    def _score_finals(
+        self, episodes: Sequence[int], actions: Sequence[str], finals: list[int]
+    ) -> dict[int, StepResult]:
+        """The final answers scored by the run's rewards (first: what is left of the step's
+        time then goes to the tools)."""
+        if not finals:
+            return {}
+        rows = [self._rows[episodes[p]] for p in finals]
+        prompts = [str(row[self._prompt_field]) for row in rows]
+        rewards = self._score(prompts, [actions[p] for p in finals], rows)
+        done = {"tool_calls": 0, "invalid_tool_calls": 0}
+        return {
+            position: StepResult(reward=reward, done=True, info=done)
+            for position, reward in zip(finals, rewards, strict=True)
+        }
 
     def close(self) -> None:
         if self._root is not None:

@@ -42,6 +42,9 @@ class Tool:
     run: Callable[[dict[str, Any], ToolContext], str]
     runs_code: bool = False
     """Whether it executes model-written code (then the plan requires a working sandbox)."""
+    max_s: float = 0.0
+    """The longest one call may take (its own time limit); 0 for a tool that answers at once.
+    A call is not started when the turn has less time left than this."""
 
     def schema(self) -> dict[str, Any]:
         """The OpenAI function-calling declaration the model is shown."""

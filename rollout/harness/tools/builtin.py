@@ -69,6 +69,7 @@ def python(
         },
         run,
         runs_code=True,
+        max_s=wall_s,
     )
 
 
@@ -108,6 +109,7 @@ def shell(
         },
         run,
         runs_code=True,
+        max_s=wall_s,
     )
 
 
@@ -176,7 +178,13 @@ def http_get(*, allowed_hosts: list[str], timeout_s: float = 10.0, max_chars: in
     """`http_get`: fetch a URL whose host is on `allowed_hosts` (exact, or '*.domain')."""
     if not allowed_hosts:
         raise ValueError("http_get: options.allowed_hosts must name at least one host")
-    egress = HttpEgress(allowed_hosts, timeout_s=timeout_s, max_response_bytes=4 * max_chars)
+    redirects = 2
+    egress = HttpEgress(
+        allowed_hosts,
+        timeout_s=timeout_s,
+        max_response_bytes=4 * max_chars,
+        max_redirects=redirects,
+    )
 
     def run(arguments: dict[str, Any], context: ToolContext) -> str:
         result = egress.get(arguments["url"])
@@ -196,6 +204,7 @@ def http_get(*, allowed_hosts: list[str], timeout_s: float = 10.0, max_chars: in
             "additionalProperties": False,
         },
         run,
+        max_s=timeout_s * (redirects + 1),  # each request of a redirect chain has timeout_s
     )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -134,7 +135,16 @@ class Toolbox:
             "call."
         )
 
-    def run(self, call: ToolCall | BadCall, context: ToolContext) -> Outcome:
+    @property
+    def max_s(self) -> float:
+        """The longest one call of any tool may take."""
+        return max((tool.max_s for tool in self.tools.values()), default=0.0)
+
+    def run(
+        self, call: ToolCall | BadCall, context: ToolContext, deadline: float | None = None
+    ) -> Outcome:
+        """One call's outcome. deadline (time.monotonic()): a tool whose limit would run past
+        it is not started, and the model is told so."""
         if isinstance(call, BadCall):
             return Outcome(call.name, f"error: {call.problem}", False)
         tool = self.tools.get(call.name)
@@ -149,6 +159,10 @@ class Toolbox:
             at = f" at {where!r}" if where else ""
             return Outcome(
                 call.name, f"error: bad arguments for {call.name!r}{at}: {errors[0].message}", False
+            )
+        if deadline is not None and tool.max_s > deadline - time.monotonic():
+            return Outcome(
+                call.name, f"error: no time left in this turn for {call.name}; try again", True
             )
         try:
             return Outcome(call.name, tool.run(call.arguments, context), True)

@@ -26,6 +26,7 @@ def build_tool_environment(plan: Plan, score: Score, prompt_field: str) -> ToolE
         Toolbox([_build(record, i) for i, record in enumerate(plan.tools)]),
         format=spec.tool_format,
         require_network_isolation=sandbox.require_network_isolation if sandbox else True,
+        step_timeout_s=spec.timeout_s,
     )
 
 
