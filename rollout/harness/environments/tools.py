@@ -15,8 +15,8 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rollout.harness.environments.base import Row, StepResult
