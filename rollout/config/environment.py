@@ -26,7 +26,7 @@ class ToolSpec(ConfigModel):
         "allowed_hosts = ['example.com']; python: wall_s, cpu_s, memory_mb, processes); a "
         "function tool takes none.",
     )
-    function: dict[str, Any] | None = Field(
+    function: Annotated[dict[str, Any], AfterValidator(check_options_are_finite)] | None = Field(
         default=None,
         description="A function tool's OpenAI declaration: {name, description, parameters} "
         "with parameters a JSON Schema object; without it the function's `schema` attribute "

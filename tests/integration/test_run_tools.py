@@ -30,7 +30,9 @@ def test_a_tools_run_records_tool_call_metrics(workdir):
         "--set",
         "environment.tools=[{name='calculator'}, {name='python', options={wall_s=5}}]",
         "--set",
-        "generation.max_prompt_tokens=800",  # two tools' declarations, a token per char or two
+        "generation.max_prompt_tokens=900",  # two tools' declarations, a token per char or two
+        "--set",
+        "environment.max_turns=2",  # the episode within the tiny model's 1024 tokens
         timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr

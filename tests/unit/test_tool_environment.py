@@ -162,7 +162,7 @@ def actor(tiny_llama, engine, env, template=None) -> EpisodeActor:
         SamplingParams(max_new_tokens=4, n=2),
         EpisodeSettings(
             max_turns=3,
-            max_prompt_tokens=512,
+            max_prompt_tokens=640,
             max_observation_tokens=48,
             advantage="episode",
             failure_reward=0.0,

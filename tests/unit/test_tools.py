@@ -112,6 +112,9 @@ def test_the_toolbox_describes_its_tools_in_the_chosen_format():
     hermes = box.instructions("hermes")
     assert '"name": "calculator"' in hermes and '"name": "list_files"' in hermes
     assert "<tool_call>" in hermes and "<tool_call>" not in box.instructions("json")
+    example = '{"name": "calculator", "arguments": {"expression": "12 * 34"}}'
+    assert f"for example:\n<tool_call>{example}</tool_call>\n" in hermes
+    assert parse_calls(example, "json") == [ToolCall("calculator", {"expression": "12 * 34"})]
 
 
 def test_two_tools_with_one_name_are_refused():
@@ -305,6 +308,15 @@ def test_a_function_tool_needs_a_valid_declaration(schema, says):
 
     with pytest.raises(ValueError, match=says):
         plugin_tool(bare, schema, "environment.tools[0].function")
+
+
+def test_a_function_tools_first_schema_example_is_shown_to_the_model():
+    parameters = {**lookup.schema["parameters"], "examples": [{"city": "Oslo"}]}
+    tool = plugin_tool(lookup, {**lookup.schema, "parameters": parameters}, "here")
+    assert tool.example == {"city": "Oslo"}
+    assert '<tool_call>{"name": "lookup", "arguments": {"city": "Oslo"}}' in Toolbox(
+        [tool]
+    ).instructions("hermes")
 
 
 def test_function_schema_accepts_the_openai_tools_entry():

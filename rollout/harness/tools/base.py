@@ -42,6 +42,9 @@ class Tool:
     run: Callable[[dict[str, Any], ToolContext], str]
     runs_code: bool = False
     """Whether it executes model-written code (then the plan requires a working sandbox)."""
+    example: Mapping[str, Any] | None = None
+    """Arguments of a typical call, shown to the model as an example (small models copy the
+    format far more reliably from one)."""
     max_s: float = 0.0
     """The longest one call may take (its own time limit); 0 for a tool that answers at once.
     A call is not started when the turn has less time left than this."""

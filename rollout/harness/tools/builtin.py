@@ -69,6 +69,7 @@ def python(
         },
         run,
         runs_code=True,
+        example={"code": "print(2 ** 10)"},
         max_s=wall_s,
     )
 
@@ -109,6 +110,7 @@ def shell(
         },
         run,
         runs_code=True,
+        example={"command": allowed[0]},
         max_s=wall_s,
     )
 
@@ -131,6 +133,7 @@ def read_file(*, max_bytes: int = 1 << 16) -> Tool:
             "additionalProperties": False,
         },
         run,
+        example={"path": "notes.txt"},
     )
 
 
@@ -171,6 +174,7 @@ def list_files() -> Tool:
             "additionalProperties": False,
         },
         run,
+        example={"path": "."},
     )
 
 

@@ -127,4 +127,5 @@ def calculator(*, max_chars: int = 200, max_digits: int = 100) -> Tool:
             "additionalProperties": False,
         },
         run,
+        example={"expression": "12 * 34"},
     )

@@ -93,6 +93,10 @@ def _call(body: str) -> ToolCall | BadCall:
     return ToolCall(name, arguments)
 
 
+def _written(call: str, format: ToolFormat) -> str:
+    return f"<tool_call>{call}</tool_call>" if format == "hermes" else call
+
+
 @dataclass(frozen=True)
 class Outcome:
     """One call's answer for the model; valid: the call named a tool and fit its schema."""
@@ -124,13 +128,19 @@ class Toolbox:
         """What the model is told before its task: the tools (their OpenAI declarations) and how
         to call one."""
         declarations = "\n".join(json.dumps(t.schema()) for t in self.tools.values())
-        example = '{"name": <tool name>, "arguments": <arguments object>}'
+        shape = '{"name": <tool name>, "arguments": <arguments object>}'
         if format == "hermes":
-            how = f"To call a tool, write <tool_call>{example}</tool_call>"
+            how = f"To call a tool, write <tool_call>{shape}</tool_call>"
         else:
-            how = f"To call a tool, answer with only the JSON object {example}"
+            how = f"To call a tool, answer with only the JSON object {shape}"
+        sample = next((t for t in self.tools.values() if t.example is not None), None)
+        if sample is not None:
+            call = json.dumps({"name": sample.name, "arguments": dict(sample.example or {})})
+            how += f", for example:\n{_written(call, format)}\n"
+        else:
+            how += "; "
         return (
-            f"You may call these tools:\n<tools>\n{declarations}\n</tools>\n{how}; its result "
+            f"You may call these tools:\n<tools>\n{declarations}\n</tools>\n{how}The result "
             "comes back in the next message. When you know the answer, give it without a tool "
             "call."
         )

@@ -25,4 +25,9 @@ def plugin_tool(fn: Callable[..., Any], function: Mapping[str, Any] | None, wher
         result = fn(**arguments)
         return result if isinstance(result, str) else json.dumps(result, default=str)
 
-    return Tool(name, description, parameters, run)
+    # JSON Schema's own "examples" keyword: the first one is shown to the model
+    examples = parameters.get("examples")
+    example = examples[0] if isinstance(examples, list) and examples else None
+    return Tool(
+        name, description, parameters, run, example=example if isinstance(example, dict) else None
+    )
