@@ -243,11 +243,12 @@ class DpoConfig(TypedDict):
 class EnvironmentSection(TypedDict):
     name: NotRequired[str]
     """The environment: a built-in ('single_turn': one answer scored by [[rewards]], what runs
-    without this section; 'guess_number': a multi-turn guessing game; 'gymnasium': a Gymnasium
-    environment with text observations), 'package.module:Class', './file.py:Class' (relative
-    to the config file), or an entry point in the 'rollout.environments' group. It is called
-    once as name(**options) and returns an object with reset(rows, seed=) and step(episodes,
-    actions) (see docs/environments.md).
+    without this section; 'tools': the model may call environment.tools before its final
+    answer, which [[rewards]] score; 'guess_number': a multi-turn guessing game; 'gymnasium':
+    a Gymnasium environment with text observations), 'package.module:Class', './file.py:Class'
+    (relative to the config file), or an entry point in the 'rollout.environments' group. It
+    is called once as name(**options) and returns an object with reset(rows, seed=) and
+    step(episodes, actions) (see docs/environments.md).
 
     Default: 'single_turn'."""
     options: NotRequired[dict[str, Any]]
@@ -284,6 +285,21 @@ class EnvironmentSection(TypedDict):
     """The return of an episode its environment failed (on_error = 'fail_episode').
 
     Default: 0.0."""
+    tools: NotRequired[list[ToolSpec]]
+    """The tools of the 'tools' environment ([[environment.tools]] tables), at least one; other
+    environments take none."""
+    tool_format: NotRequired[Literal["hermes", "json"]]
+    """How the model writes a tool call ('tools' environment): 'hermes' (<tool_call>{"name": ...,
+    "arguments": {...}}</tool_call>, the Hermes/Qwen templates' format) or 'json' (the whole
+    answer is that JSON object).
+
+    Default: 'hermes'."""
+    allow_unsandboxed: NotRequired[bool]
+    """Let tools that run model-written code (python, shell) run although this host's sandbox
+    lacks a capability (network isolation, ...): the plan then warns instead of refusing, and
+    plan.lock records it. Only with such a tool.
+
+    Default: False."""
 
 class FieldMap(TypedDict):
     """Which record field plays which part. Unset parts are not used."""
@@ -1341,6 +1357,21 @@ class StorageSection(TypedDict):
     artifacts: NotRequired[str | None]
     """Where checkpoints go: a local path, file://, s3://bucket/prefix or gs://bucket/prefix;
     each run writes under <artifacts>/<run id>. None: inside the run directory.
+
+    Default: None."""
+
+class ToolSpec(TypedDict):
+    name: str
+    """The tool: a built-in ('calculator', 'python', 'shell', 'read_file', 'write_file',
+    'list_files', 'http_get'), or a function 'package.module:function' / './file.py:function'
+    called with the call's arguments as keyword arguments (see docs/tools.md)."""
+    options: NotRequired[dict[str, Any]]
+    """A built-in tool's options (e.g. shell: allowed = ['ls', 'cat']; http_get: allowed_hosts =
+    ['example.com']; python: wall_s, cpu_s, memory_mb, processes); a function tool takes none."""
+    function: NotRequired[dict[str, Any] | None]
+    """A function tool's OpenAI declaration: {name, description, parameters} with parameters a
+    JSON Schema object; without it the function's `schema` attribute is used. Built-in tools
+    declare themselves.
 
     Default: None."""
 

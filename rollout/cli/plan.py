@@ -85,6 +85,10 @@ def plan(
     )
     if report is not None:
         _render_probe(the_plan, report)
+    from rollout.planner.tools import sandbox_warnings
+
+    for warning in sandbox_warnings(the_plan.tool_sandbox):
+        stdout.print(f"[bold yellow]warning[/]: {warning}")
     nnodes = the_plan.graph.nnodes
     if nnodes == 1:
         stdout.print(f"  next: rollout run --plan {output}")

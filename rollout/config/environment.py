@@ -10,14 +10,38 @@ from rollout.config.base import ConfigModel
 from rollout.config.rewards import PluginRef, check_options_are_finite
 
 SINGLE_TURN = "single_turn"
+TOOLS = "tools"
+
+
+class ToolSpec(ConfigModel):
+    name: PluginRef = Field(
+        description="The tool: a built-in ('calculator', 'python', 'shell', 'read_file', "
+        "'write_file', 'list_files', 'http_get'), or a function 'package.module:function' / "
+        "'./file.py:function' called with the call's arguments as keyword arguments (see "
+        "docs/tools.md).",
+    )
+    options: Annotated[dict[str, Any], AfterValidator(check_options_are_finite)] = Field(
+        default_factory=dict,
+        description="A built-in tool's options (e.g. shell: allowed = ['ls', 'cat']; http_get: "
+        "allowed_hosts = ['example.com']; python: wall_s, cpu_s, memory_mb, processes); a "
+        "function tool takes none.",
+    )
+    function: Annotated[dict[str, Any], AfterValidator(check_options_are_finite)] | None = Field(
+        default=None,
+        description="A function tool's OpenAI declaration: {name, description, parameters} "
+        "with parameters a JSON Schema object; without it the function's `schema` attribute "
+        "is used. Built-in tools declare themselves.",
+    )
 
 
 class EnvironmentSection(ConfigModel):
     name: PluginRef = Field(
         default=SINGLE_TURN,
         description="The environment: a built-in ('single_turn': one answer scored by "
-        "[[rewards]], what runs without this section; 'guess_number': a multi-turn guessing "
-        "game; 'gymnasium': a Gymnasium environment with text observations), "
+        "[[rewards]], what runs without this section; 'tools': the model may call "
+        "environment.tools before its final answer, which [[rewards]] score; 'guess_number': "
+        "a multi-turn guessing game; 'gymnasium': a Gymnasium environment with text "
+        "observations), "
         "'package.module:Class', './file.py:Class' (relative to the config file), or an entry "
         "point in the 'rollout.environments' group. It is called once as name(**options) and "
         "returns an object with reset(rows, seed=) and step(episodes, actions) (see "
@@ -66,9 +90,31 @@ class EnvironmentSection(ConfigModel):
         description="The return of an episode its environment failed (on_error = 'fail_episode').",
     )
 
+    tools: list[ToolSpec] = Field(
+        default_factory=list,
+        description="The tools of the 'tools' environment ([[environment.tools]] tables), at "
+        "least one; other environments take none.",
+    )
+    tool_format: Literal["hermes", "json"] = Field(
+        default="hermes",
+        description="How the model writes a tool call ('tools' environment): 'hermes' "
+        '(<tool_call>{"name": ..., "arguments": {...}}</tool_call>, the Hermes/Qwen '
+        "templates' format) or 'json' (the whole answer is that JSON object).",
+    )
+    allow_unsandboxed: bool = Field(
+        default=False,
+        description="Let tools that run model-written code (python, shell) run although this "
+        "host's sandbox lacks a capability (network isolation, ...): the plan then warns "
+        "instead of refusing, and plan.lock records it. Only with such a tool.",
+    )
+
     @property
     def is_single_turn(self) -> bool:
         return self.name == SINGLE_TURN
+
+    @property
+    def is_tools(self) -> bool:
+        return self.name == TOOLS
 
 
 def episode_tokens(

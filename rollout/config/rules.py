@@ -19,6 +19,7 @@ from rollout.config.algorithm import (
 )
 from rollout.config.cluster import is_loopback, split_endpoint
 from rollout.config.data import FieldMap
+from rollout.config.environment import EnvironmentSection
 from rollout.config.generation import GenerationSection
 from rollout.config.logging import TRACKER_OPTIONS
 from rollout.config.model import ALL_LINEAR, LORA_MODULE_NAME, MODEL_SOURCES, is_hub_id, is_revision
@@ -527,7 +528,7 @@ def system_prompt_needs_the_chat_template(config: RunConfig) -> Iterator[Issue]:
 @rule("algorithm", "rewards")
 def rewards_match_algorithm(config: RunConfig) -> Iterator[Issue]:
     kind = config.algorithm.kind
-    if kind in ONLINE_KINDS and not config.rewards and not _multi_turn(config):
+    if kind in ONLINE_KINDS and not config.rewards and not _environment_scores(config):
         yield Issue(
             "rewards",
             f"{kind} learns from rewards but none are configured",
@@ -564,8 +565,10 @@ def rewards_match_algorithm(config: RunConfig) -> Iterator[Issue]:
         seen.setdefault(name, i)
 
 
-def _multi_turn(config: RunConfig) -> bool:
-    return config.environment is not None and not config.environment.is_single_turn
+def _environment_scores(config: RunConfig) -> bool:
+    """Whether the environment gives the rewards itself (not single_turn, not tools)."""
+    env = config.environment
+    return env is not None and not env.is_single_turn and not env.is_tools
 
 
 # --- environment ------------------------------------------------------------------------------
@@ -588,6 +591,7 @@ def environment_fits_the_run(config: RunConfig) -> Iterator[Issue]:
         )
         return
     if env.is_single_turn:
+        yield from _tool_settings_fit(env, config)
         if env.max_turns != 1:
             yield Issue(
                 "environment.max_turns",
@@ -610,7 +614,8 @@ def environment_fits_the_run(config: RunConfig) -> Iterator[Issue]:
             value=env.name,
             hint="use algorithm.kind = 'grpo' or 'rloo'",
         )
-    if config.rewards:
+    yield from _tool_settings_fit(env, config)
+    if config.rewards and not env.is_tools:
         yield Issue(
             "rewards",
             f"the environment {env.name!r} gives the episode's rewards: [[rewards]] would be "
@@ -632,6 +637,53 @@ def environment_fits_the_run(config: RunConfig) -> Iterator[Issue]:
             "cluster.placement",
             "multi-turn environments run with every role in each process (colocated) for now",
             hint="remove cluster.placement",
+        )
+
+
+def _tool_settings_fit(env: EnvironmentSection, config: RunConfig) -> Iterator[Issue]:
+    """Tools belong to the 'tools' environment, which needs at least one, and [[rewards]] to
+    score its final answers."""
+    if not env.is_tools:
+        if env.tools:
+            yield Issue(
+                "environment.tools",
+                f"the environment {env.name!r} calls no tools",
+                hint="remove [[environment.tools]], or set environment.name = 'tools'",
+            )
+        if env.tool_format != "hermes":
+            yield Issue(
+                "environment.tool_format",
+                f"the environment {env.name!r} reads no tool calls",
+                value=env.tool_format,
+                hint="remove tool_format, or set environment.name = 'tools'",
+            )
+        if env.allow_unsandboxed:
+            yield Issue(
+                "environment.allow_unsandboxed",
+                f"the environment {env.name!r} runs no tools, sandboxed or not",
+                value=True,
+                hint="remove allow_unsandboxed",
+            )
+        return
+    if not env.tools:
+        yield Issue(
+            "environment.tools",
+            "the tools environment needs at least one tool",
+            hint='add [[environment.tools]] name = "calculator" (see docs/tools.md)',
+        )
+    if env.options:
+        yield Issue(
+            "environment.options",
+            "the tools environment takes no options: its tools are [[environment.tools]]",
+            value=env.options,
+            hint="remove environment.options (a tool's options go in its own table)",
+        )
+    if not config.rewards:
+        yield Issue(
+            "rewards",
+            "the tools environment scores the final answer with [[rewards]], but none are "
+            "configured",
+            hint='add [[rewards]] fn = "numeric_match" (or your own "module:function")',
         )
 
 

@@ -57,6 +57,7 @@ from rollout.planner.placement import build_graph, max_restarts
 from rollout.planner.reward_model import model_directory_of, resolve_reward_model
 from rollout.planner.runnable import run_refusals
 from rollout.planner.store_check import store_issues
+from rollout.planner.tools import resolve_tools
 from rollout.planner.trackers import tracker_issues
 from rollout.plugins.identity import PluginIdentity, installed_version
 from rollout.seeds import derive_seed
@@ -100,7 +101,10 @@ def build_plan(
     issues: list[Issue] = []
     hardware = hardware or probe_hardware()
     model = _collect(issues, lambda: inspect_model(run_config.model, base_dir=base))
-    data = _inspect_all_data(run_config, base, issues, model)
+    # The tools come first: every episode's first message starts with their declarations,
+    # which the data check counts against max_prompt_tokens.
+    tools = resolve_tools(run_config, base, issues)
+    data = _inspect_all_data(run_config, base, issues, model, tools.instructions)
     fields = _reward_fields(run_config, data)
     rewards = _resolve_rewards(run_config, base, fields, issues)
     environment = _resolve_environment(run_config, base, issues)
@@ -152,6 +156,8 @@ def build_plan(
         derived=derived,
         rewards=rewards,
         environment=environment,
+        tools=tools.records,
+        tool_sandbox=tools.sandbox,
         model=model,
         data=data,
         hardware=hardware,
@@ -184,11 +190,15 @@ def _required_fields(config: RunConfig) -> dict[str, str]:
 
 
 def _inspect_all_data(
-    config: RunConfig, base: Path, issues: list[Issue], model: ModelFacts | None
+    config: RunConfig,
+    base: Path,
+    issues: list[Issue],
+    model: ModelFacts | None,
+    tool_instructions: str | None = None,
 ) -> list[DataFacts]:
     required = _required_fields(config)
     # Offline objectives tokenize every record with the model's tokenizer (lengths, labels).
-    check, run_issues = record_check(config, model, base)
+    check, run_issues = record_check(config, model, base, tool_instructions)
     issues.extend(run_issues)
     mapping = config.data.fields
     paired = None
@@ -290,6 +300,7 @@ def _resolve_environment(
     (and a built-in built with them, so a bad value fails now rather than at step 1)."""
     from rollout.harness.environments import BUILTIN_ENVIRONMENTS, SINGLE_TURN
     from rollout.harness.environments.single_turn import SingleTurn
+    from rollout.harness.environments.tools import TOOLS, ToolEnvironment
     from rollout.harness.memory import takes_memory
     from rollout.plugins.probe import probe_imports
     from rollout.plugins.resolve import import_probe, resolve_plugin
@@ -297,7 +308,7 @@ def _resolve_environment(
     spec = config.environment
     if spec is None or config.algorithm.kind not in ONLINE_KINDS:
         return None
-    builtins = {**BUILTIN_ENVIRONMENTS, SINGLE_TURN: SingleTurn}
+    builtins = {**BUILTIN_ENVIRONMENTS, SINGLE_TURN: SingleTurn, TOOLS: ToolEnvironment}
     where = {"base_dir": base, "used_by": "environment.name", "builtins": builtins}
     probe = import_probe(spec.name, group="rollout.environments", **where)
     failed = probe_imports([probe] if probe is not None else [])
@@ -307,7 +318,7 @@ def _resolve_environment(
     resolved = _collect(
         issues, lambda: resolve_plugin(spec.name, group="rollout.environments", **where)
     )
-    if resolved is None or spec.is_single_turn:
+    if resolved is None or spec.is_single_turn or spec.is_tools:
         return resolved.identity if resolved is not None else None
     remembers = takes_memory(resolved.fn)
     if remembers and "memory" in spec.options:
@@ -367,8 +378,10 @@ def _resolve_environment(
 
 
 def _plays(config: RunConfig) -> bool:
-    """Whether the run plays a multi-turn environment (which, not [[rewards]], gets the rows)."""
-    return config.environment is not None and not config.environment.is_single_turn
+    """Whether the run plays an environment that scores itself (which, not [[rewards]], gets
+    the rows)."""
+    env = config.environment
+    return env is not None and not env.is_single_turn and not env.is_tools
 
 
 def _reward_model(spec: RewardSpec, base: Path, used_by: str) -> ModelRewardRecord:

@@ -208,6 +208,32 @@ class Derived(Frozen):
     )
 
 
+class ToolRecord(Frozen):
+    """One of environment.tools, resolved at plan time: the worker builds what this says."""
+
+    name: str = Field(description="The tool's name, as the model calls it.")
+    plugin: PluginIdentity = Field(description="The built-in's factory or the user's function.")
+    options: dict[str, Any] = Field(description="A built-in's options (its factory's arguments).")
+    function: dict[str, Any] | None = Field(
+        description="A function tool's OpenAI declaration (from the config or its `schema`)."
+    )
+    runs_code: bool = Field(description="Whether it executes model-written code.")
+
+
+class ToolSandbox(Frozen):
+    """How the run's code-running tools are confined, as the plan's sandbox probe found it."""
+
+    allow_unsandboxed: bool = Field(description="environment.allow_unsandboxed, as configured.")
+    require_network_isolation: bool = Field(
+        description="Whether a tool refuses to run code on a host without network isolation "
+        "(False only with allow_unsandboxed on a host that lacks it)."
+    )
+    missing: list[str] = Field(
+        description="What this host's sandbox cannot enforce, and what it falls back to (one "
+        "line per capability); empty when everything works."
+    )
+
+
 class Versions(Frozen):
     python: str
     rollout: str
@@ -243,6 +269,12 @@ class Plan(Frozen):
         default=None,
         description="What config.environment.name resolved to; None without [environment].",
     )
+    tools: list[ToolRecord] = Field(
+        default_factory=list, description="config.environment.tools resolved, in order."
+    )
+    tool_sandbox: ToolSandbox | None = Field(
+        default=None, description="The sandbox choice, when a tool runs model-written code."
+    )
     model: ModelFacts
     data: list[DataFacts]
     hardware: HardwareFacts
@@ -275,4 +307,5 @@ class Plan(Frozen):
     def plugins(self) -> list[PluginIdentity]:
         """The identity of every plugin the run calls: what freshness checks and explain read."""
         rewards = [reward.plugin for reward in self.rewards]
-        return rewards + ([self.environment] if self.environment is not None else [])
+        environment = [self.environment] if self.environment is not None else []
+        return rewards + environment + [tool.plugin for tool in self.tools]

@@ -264,7 +264,18 @@ def _environment(plan: Plan) -> Group:
         for name in ("torch", "transformers", "vllm")
         if getattr(versions, name)
     ]
+    sandbox = plan.tool_sandbox
+    lines = []
+    if sandbox is not None:
+        state = (
+            "every capability works"
+            if not sandbox.missing
+            else "without: " + "; ".join(sandbox.missing)
+        )
+        optout = " (environment.allow_unsandboxed)" if sandbox.allow_unsandboxed else ""
+        lines.append(Text(f"sandbox   {state}{optout}"))
     return Group(
+        *lines,
         Text(f"hardware  {hw.cpu_count} CPU cores, {_gib(hw.memory_bytes)} RAM, GPUs: {gpus}"),
         Text(f"versions  {', '.join(installed)}"),
         Text(

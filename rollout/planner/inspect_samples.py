@@ -21,6 +21,7 @@ from typing import Any
 from rollout.config.algorithm import ONLINE_KINDS
 from rollout.config.root import RunConfig
 from rollout.errors import Issue
+from rollout.harness.environments.tools import first_message
 from rollout.models.facts import ModelFacts
 from rollout.models.samples import Demonstration, Judged, Pair, SampleError, SampleRules
 from rollout.planner import tokenizer as plan_tokenizer
@@ -60,9 +61,13 @@ def sample_rules(config: RunConfig, tokenizer: Any) -> SampleRules:
 
 
 def record_check(
-    config: RunConfig, model: ModelFacts | None, base_dir: Path
+    config: RunConfig,
+    model: ModelFacts | None,
+    base_dir: Path,
+    tool_instructions: str | None = None,
 ) -> tuple[RecordCheck | None, list[Issue]]:
     """The check to run on every record of the run, and problems of the run as a whole.
+    `tool_instructions`: what the tools environment puts before every prompt.
 
     Returns (None, issues) when there is nothing to check record by record: a model that failed
     inspection, no chat template where one is used, or no tokenizer readable without transformers.
@@ -98,7 +103,7 @@ def record_check(
         return None, []
     rules = sample_rules(config, tokenizer)
     if kind in ONLINE_KINDS:
-        return _prompt_check(config, rules, model.context_length), []
+        return _prompt_check(config, rules, model.context_length, tool_instructions), []
     return _sample_check(config, rules), []
 
 
@@ -128,16 +133,23 @@ def _sample_check(config: RunConfig, rules: SampleRules) -> RecordCheck:
     return check
 
 
-def _prompt_check(config: RunConfig, rules: SampleRules, context: int) -> RecordCheck:
-    """An online prompt must fit generation.max_prompt_tokens, as the worker encodes it."""
+def _prompt_check(
+    config: RunConfig, rules: SampleRules, context: int, tool_instructions: str | None
+) -> RecordCheck:
+    """An online prompt must fit generation.max_prompt_tokens, as the worker encodes it (after
+    the tools' declarations, in the tools environment)."""
     limit = config.generation.max_prompt_tokens
     max_new = config.generation.max_new_tokens
     field = config.data.fields.prompt
     how = "with the chat template" if config.data.use_chat_template else "without a chat template"
     if config.data.use_chat_template and config.data.system_prompt is not None:
         how += " and the system prompt"
+    if tool_instructions is not None:
+        how += " and the tools' declarations before it"
 
     def check(record: Mapping[str, Any]) -> list[RecordProblem]:
+        if tool_instructions is not None and field in record:
+            record = {**record, field: first_message(tool_instructions, record[field])}
         try:
             length = len(rules.generation_prompt(record))
         except SampleError as error:

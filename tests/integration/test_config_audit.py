@@ -208,6 +208,17 @@ class Chars:
 class Broken(Chars):
     def step(self, episodes, actions):
         raise RuntimeError("lost its board")
+
+
+def lookup(city):
+    return city.upper()
+
+
+lookup.schema = {
+    "name": "lookup",
+    "description": "Look a city up.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
 '''
 
 TEMPLATE = (
@@ -559,6 +570,15 @@ BROKEN_CONTAINED = {
         "on_error": "fail_episode",
     },
 }
+# The tools environment: [[rewards]] score the final answers; the tools' declarations come
+# before every prompt (about 450 tokens of the tiny tokenizer for the calculator).
+TOOLS = {
+    "environment": {"name": "tools", "max_turns": 2, "tools": [{"name": "calculator"}]},
+    "data.eval": DELETE,
+    "generation.max_prompt_tokens": 600,
+}
+LOOKUP_TOOL = {**TOOLS, "environment.tools": [{"name": "./audit_rewards.py:lookup"}]}
+PYTHON_TOOL = {**TOOLS, "environment.tools": [{"name": "python"}]}
 FSDP_MIXED = {
     "cluster.nproc_per_node": 2,
     "cluster.sharding": "fsdp",
@@ -963,6 +983,35 @@ SECTION_CASES: dict[str, list[Case]] = {
             metric("reward/mean"),
             base=BROKEN_CONTAINED,
         )
+    ],
+    "environment.tools[].name": [
+        run_shows("grpo", {"environment.tools[0].name": "list_files"}, base=TOOLS)
+    ],
+    "environment.tools[].options": [
+        refused("grpo", {"environment.tools[0].options": {"max_digits": 0}}, base=TOOLS)
+    ],
+    "environment.tools[].function": [
+        plan_shows(
+            "grpo",
+            {
+                "environment.tools[0].function": {
+                    "name": "population",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+                }
+            },
+            lambda plan: [tool.name for tool in plan.tools],
+            base=LOOKUP_TOOL,
+        )
+    ],
+    "environment.tool_format": [run_shows("grpo", {"environment.tool_format": "json"}, base=TOOLS)],
+    "environment.allow_unsandboxed": [
+        plan_shows(
+            "grpo",
+            {"environment.allow_unsandboxed": True},
+            lambda plan: plan.tool_sandbox,
+            base=PYTHON_TOOL,
+        ),
+        refused("grpo", {"environment.allow_unsandboxed": True}, base=TOOLS),
     ],
     "rewards[].timeout_s": [
         run_shows("grpo", {"rewards[1].timeout_s": 0.02}, timed_out, base=SLOW_REWARD, fails=True),

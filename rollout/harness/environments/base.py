@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 Row = Mapping[str, Any]
 
@@ -30,6 +30,9 @@ class StepResult:
     done: bool = False
     info: Mapping[str, Any] = field(default_factory=dict)
     """Anything worth logging (JSON-able): e.g. {"solved": true}."""
+    role: Literal["user", "tool"] = "user"
+    """Whose turn the observation is in the chat template: "tool" for tool results (written as
+    a user turn when the model's chat template has no tool role)."""
 
 
 @runtime_checkable

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from rollout.harness.deadline import Overran, Raised, call_with_deadline
@@ -131,8 +131,8 @@ class EnvironmentRunner:
     def _cut_result(self, result: StepResult) -> StepResult:
         if len(result.observation) <= self.max_observation_chars:
             return result
-        return StepResult(
-            self._cut(result.observation), float(result.reward), result.done, result.info
+        return replace(
+            result, observation=self._cut(result.observation), reward=float(result.reward)
         )
 
 
@@ -148,6 +148,8 @@ def _problem(result: Any) -> str | None:
         return f"has the reward {result.reward}, not a finite number"
     if not isinstance(result.done, bool):
         return f"has done = {result.done!r}, not True or False"
+    if result.role not in ("user", "tool"):
+        return f"has role = {result.role!r}, not 'user' or 'tool'"
     return None
 
 

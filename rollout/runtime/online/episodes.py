@@ -19,7 +19,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -49,14 +49,21 @@ class TurnFormat:
     system_prompt: str | None
     eos_token_ids: frozenset[int]
 
-    def between(self, observation: str, *, answer_ended: bool, budget: int) -> list[int]:
+    roles: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    """Cache: the role a message asked for -> the role the chat template writes it in."""
+
+    def between(
+        self, observation: str, *, answer_ended: bool, budget: int, role: str = "user"
+    ) -> list[int]:
         """Tokens after an answer: the end of the assistant's turn (unless the answer's own eos
-        token ended it), the environment's message as a user turn, and the next assistant turn
-        opened; at most `budget` of them, the message cut, never the turn markers."""
+        token ended it), the environment's message as a `role` turn (a user turn when the chat
+        template has no such role), and the next assistant turn opened; at most `budget` of
+        them, the message cut, never the turn markers."""
         if self.chat_template is None:
             raise ValueError("a multi-turn episode needs the model's chat template")
         text = self._render(
-            [("user", "u"), ("assistant", _ANSWER), ("user", _MESSAGE)], generation_prompt=True
+            [("user", "u"), ("assistant", _ANSWER), (self.role(role), _MESSAGE)],
+            generation_prompt=True,
         )
         after = text[text.index(_ANSWER) + len(_ANSWER) :]
         before, closing = after.split(_MESSAGE, 1)
@@ -77,6 +84,20 @@ class TurnFormat:
                 f"turn markers alone ({len(head) + len(tail)} tokens): raise it"
             )
         return head + self._encode(observation)[:room] + tail
+
+    def role(self, wanted: str) -> str:
+        """`wanted` if the chat template writes a message in that role, else "user"."""
+        if wanted not in self.roles:
+            try:
+                text = self._render(
+                    [("user", "u"), ("assistant", _ANSWER), (wanted, _MESSAGE)],
+                    generation_prompt=True,
+                )
+                works = _MESSAGE in text
+            except Exception:  # templates refuse roles they do not know by raising
+                works = False
+            self.roles[wanted] = wanted if works else "user"
+        return self.roles[wanted]
 
     def _render(self, turns: list[tuple[str, str]], *, generation_prompt: bool) -> str:
         messages = [{"role": role, "content": content} for role, content in turns]
@@ -112,6 +133,9 @@ class _Episode:
     failure: str | None = None
     solved: bool = False
     text: str = ""
+    tool_calls: int | None = None
+    """Tool calls made (None: its environment does not report tool calls)."""
+    invalid_tool_calls: int = 0
 
     @property
     def context(self) -> list[int]:
@@ -250,12 +274,19 @@ class EpisodeActor:
             )
             return False
         episode.rewards.append(float(result.reward))
-        episode.solved = bool(result.info.get("solved", False)) if result.info else False
+        info = result.info or {}
+        episode.solved = bool(info.get("solved", False))
+        if "tool_calls" in info:  # the tools environment's counts (docs/tools.md)
+            episode.tool_calls = (episode.tool_calls or 0) + int(info["tool_calls"])
+            episode.invalid_tool_calls += int(info.get("invalid_tool_calls", 0))
         if result.done or last:
             return False
         ended = bool(answer.token_ids) and answer.token_ids[-1] in self.turns.eos_token_ids
         message = self.turns.between(
-            result.observation, answer_ended=ended, budget=self.settings.max_observation_tokens
+            result.observation,
+            answer_ended=ended,
+            budget=self.settings.max_observation_tokens,
+            role=result.role,
         )
         episode.tokens += message
         episode.mask += [0] * len(message)
@@ -328,4 +359,18 @@ def _episode_metrics(
         "perf/generate_s": generate_s,
         "perf/generated_tokens": float(generated),
     }
+    if any(e.tool_calls is not None for e in episodes):
+        calls = [e.tool_calls or 0 for e in episodes]
+        metrics["episode/tool_calls_mean"] = sum(calls) / count
+        metrics["episode/invalid_tool_calls_mean"] = (
+            sum(e.invalid_tool_calls for e in episodes) / count
+        )
+        # "called the tool correctly": at least one call, and every call well-formed
+        metrics["episode/valid_tool_call_fraction"] = (
+            sum(
+                made > 0 and e.invalid_tool_calls == 0
+                for made, e in zip(calls, episodes, strict=True)
+            )
+            / count
+        )
     return metrics

@@ -46,6 +46,7 @@ from rollout.runtime.online.evaluate import evaluate
 from rollout.runtime.online.learner import Learner, LearnerKnobs
 from rollout.runtime.online.prompts import load_data
 from rollout.runtime.online.shaping import Scoring, TokenAdvantages
+from rollout.runtime.online.tools import build_tool_environment
 from rollout.runtime.phases import PhaseClock
 from rollout.runtime.precision import autocast_dtype
 from rollout.runtime.recording import record_means, record_metrics
@@ -316,11 +317,15 @@ def build_actor(
     if spec is None:
         return Actor(engine, prompt_format, rewards, advantage, params)
     assert plan.environment is not None  # the planner resolves what the config names
+
+    def score(prompts: list[str], completions: list[str], rows: list[Any]) -> list[float]:
+        return rewards.score(prompts, completions, rows).total
+
     if spec.is_single_turn:
-        environment = SingleTurn(
-            lambda prompts, completions, rows: rewards.score(prompts, completions, rows).total,
-            prompt_format.prompt_field,
-        )
+        environment = SingleTurn(score, prompt_format.prompt_field)
+        memory = None
+    elif spec.is_tools:
+        environment = build_tool_environment(plan, score, prompt_format.prompt_field)
         memory = None
     else:
         factory = load_plugin(plan.environment)

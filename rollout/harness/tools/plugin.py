@@ -1,0 +1,33 @@
+"""A user's function as a tool: `module:function` or `./file.py:function`, called with the call's
+arguments as keyword arguments; what it returns is the answer (text as is, anything else as
+JSON). Its declaration comes from the config (environment.tools[].function) or from the
+function's own `schema` attribute."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from rollout.harness.tools.base import Tool, ToolContext, function_schema
+
+
+def plugin_tool(fn: Callable[..., Any], function: Mapping[str, Any] | None, where: str) -> Tool:
+    raw = function if function is not None else getattr(fn, "schema", None)
+    if raw is None:
+        raise ValueError(
+            f"{where}: the tool has no schema: give its OpenAI function declaration as "
+            "environment.tools[].function, or set a `schema` attribute on the function"
+        )
+    name, description, parameters = function_schema(raw, where)
+
+    def run(arguments: dict[str, Any], context: ToolContext) -> str:
+        result = fn(**arguments)
+        return result if isinstance(result, str) else json.dumps(result, default=str)
+
+    # JSON Schema's own "examples" keyword: the first one is shown to the model
+    examples = parameters.get("examples")
+    example = examples[0] if isinstance(examples, list) and examples else None
+    return Tool(
+        name, description, parameters, run, example=example if isinstance(example, dict) else None
+    )
