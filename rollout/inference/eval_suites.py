@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -165,6 +166,19 @@ def chosen_suites(options: EvalOptions, config: EvalConfig | None) -> list[Chose
     return suites
 
 
+def run_config_suites(suites: list[EvalSuite], base: Path) -> list[ChosenSuite]:
+    """A run config's [[eval.suites]] as suites to check and run: paths relative to the run
+    config's directory, problems reported at eval.suites[N].<field>."""
+
+    def where(key: str, index: int) -> str:
+        return f"eval.suites[{index}].{key}"
+
+    return [
+        ChosenSuite(spec, base, base, partial(where, index=index))
+        for index, spec in enumerate(suites)
+    ]
+
+
 def _suite_from_flags(options: EvalOptions, given: dict[str, Any]) -> ChosenSuite:
     issues = []
     if len(options.suites) != 1:
@@ -259,19 +273,25 @@ def _at(issue: Issue, where: Callable[[str], str]) -> Issue:
     return replace(issue, path=where(issue.path.split(".")[0].split("[")[0]))
 
 
+ScorerResolver = Callable[[str, Path, str], tuple[Scorer, "dict[str, Any] | None"]]
+"""(ref, base directory, used_by) -> the scorer and a plugin's identity: resolving it (`rollout
+eval`, `rollout plan`), or loading what the plan resolved (a training worker)."""
+
+
 def checked_suites(
     specs: list[ChosenSuite],
     generation: GenerationSection,
-    options: EvalOptions,
+    resolve: ScorerResolver | None = None,
 ) -> list[CheckedSuite]:
     """Each suite's rows read and checked against its scorer, and its sampling settings
     resolved; every problem in every suite is reported together."""
+    resolve = resolve or _scorer
     issues: list[Issue] = []
     suites = []
     for chosen in specs:
         spec, where = chosen.spec, chosen.where
         try:
-            scorer, plugin = _scorer(spec.scorer, chosen.plugin_base, where("scorer"))
+            scorer, plugin = resolve(spec.scorer, chosen.plugin_base, where("scorer"))
         except RolloutError as error:
             issues.extend(error.issues)
             continue

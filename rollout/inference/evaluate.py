@@ -126,7 +126,14 @@ def evaluate(options: EvalOptions, hooks: Hooks | None = None) -> EvalResult:
     load_on = "cpu" if job.generation.engine == "vllm" else job.device
     hooks.on_status(f"loading {job.choice.description} ({job.dtype}, {load_on})")
     loaded = load_chosen_model(job.choice, job.dtype, load_on)
-    prompt_ids = _encode_suites(job.suites, loaded, job.choice, job.templated)
+    prompt_ids = encode_suites(
+        job.suites,
+        loaded,
+        context=job.choice.facts.context_length,
+        description=job.choice.description,
+        templated=job.templated,
+        system_prompt=job.choice.system_prompt,
+    )
     engine = None
     if any(suite.scorer.generates for suite in job.suites):
         engine = build_generation_engine(
@@ -142,12 +149,8 @@ def evaluate(options: EvalOptions, hooks: Hooks | None = None) -> EvalResult:
     try:
         for suite, ids in zip(job.suites, prompt_ids, strict=True):
             hooks.on_suite(suite.spec.name, len(suite.rows), suite.spec.samples)
-            if suite.scorer.generates:
-                completions = _sample(job, suite, ids, engine, hooks)
-                scored = _score_completions(suite, completions)
-            else:
-                completions = None
-                scored = _score_choices(suite, ids, loaded, hooks)
+            sampling = Sampling(engine, job.generation, job.batch_size, job.seed)
+            completions, scored = run_suite(suite, ids, sampling, loaded, hooks)
             hooks.on_suite_done(suite.spec.name)
             results.append(suite_result(suite, completions, scored))
     finally:
@@ -188,7 +191,7 @@ def prepare(options: EvalOptions) -> _Job:
     )
     generation = config.generation if config is not None else choice.generation
     step = recording_step(options.run, options.store, choice) if options.run is not None else None
-    suites = checked_suites(specs, generation, options)
+    suites = checked_suites(specs, generation)
     if generation.engine == "vllm" and not all(suite.scorer.generates for suite in suites):
         raise RolloutError(
             Issue(
@@ -230,12 +233,43 @@ def prepare(options: EvalOptions) -> _Job:
 # --- prompts, sampling, scoring ------------------------------------------------------------------
 
 
-def _encode_suites(
-    suites: list[CheckedSuite], loaded: Any, choice: ModelChoice, templated: bool
+@dataclass(frozen=True)
+class Sampling:
+    """How suites are sampled: `rollout eval`'s engine, or a training run's."""
+
+    engine: Any
+    """None when no suite samples."""
+    generation: GenerationSection
+    batch_size: int
+    seed: int
+
+
+def run_suite(
+    suite: CheckedSuite,
+    prompt_ids: list[list[int]],
+    sampling: Sampling,
+    loaded: Any,
+    hooks: Hooks | None = None,
+) -> tuple[list[list[str]] | None, list[list[Score]]]:
+    """One suite's completions (None when it samples nothing) and their scores, per row."""
+    hooks = hooks or Hooks()
+    if suite.scorer.generates:
+        completions = _sample(sampling, suite, prompt_ids, hooks)
+        return completions, _score_completions(suite, completions)
+    return None, _score_choices(suite, prompt_ids, loaded, hooks)
+
+
+def encode_suites(
+    suites: list[CheckedSuite],
+    loaded: Any,
+    *,
+    context: int,
+    description: str,
+    templated: bool,
+    system_prompt: str | None,
 ) -> list[list[list[int]]]:
     """Every suite's prompt ids; a prompt that (with its completion) does not fit the model's
-    context is an issue naming its row."""
-    context = choice.facts.context_length
+    `context` is an issue naming its row."""
     issues: list[Issue] = []
     encoded = []
     for suite in suites:
@@ -247,13 +281,13 @@ def _encode_suites(
                     Issue(
                         f"suite {suite.spec.name}",
                         f"{place} of {suite.data} holds chat messages, which need the chat "
-                        f"template, and {choice.description} is used without one",
+                        f"template, and {description} is used without one",
                         hint="drop --no-chat-template, or give the prompt as text",
                     )
                 )
                 ids_of_suite.append([])
                 continue
-            ids = encode_prompt(loaded, prompt, templated, choice.system_prompt)
+            ids = encode_prompt(loaded, prompt, templated, system_prompt)
             ids_of_suite.append(ids)
             longest = len(ids) + (
                 suite.max_new_tokens
@@ -276,13 +310,13 @@ def _encode_suites(
 
 
 def _sample(
-    job: _Job, suite: CheckedSuite, prompt_ids: list[list[int]], engine: Any, hooks: Hooks
+    sampling: Sampling, suite: CheckedSuite, prompt_ids: list[list[int]], hooks: Hooks
 ) -> list[list[str]]:
     """`samples` completion texts per row, in row order."""
     from rollout.engines.base import SamplingParams
 
-    n, generation = suite.spec.samples, job.generation
-    per_chunk = prompts_per_chunk(job.batch_size, n)
+    n, generation = suite.spec.samples, sampling.generation
+    per_chunk = prompts_per_chunk(sampling.batch_size, n)
     texts: list[list[str]] = [[] for _ in prompt_ids]
     for begin in range(0, len(prompt_ids), per_chunk):
         end = min(begin + per_chunk, len(prompt_ids))
@@ -293,9 +327,9 @@ def _sample(
             top_k=generation.top_k,
             stop=tuple(generation.stop),
             n=n,
-            seed=derive_seed(job.seed, f"eval:{suite.spec.name}:{begin // per_chunk}"),
+            seed=derive_seed(sampling.seed, f"eval:{suite.spec.name}:{begin // per_chunk}"),
         )
-        completions = engine.generate(prompt_ids[begin:end], params)
+        completions = sampling.engine.generate(prompt_ids[begin:end], params)
         for completion in completions:  # grouped by prompt, n each
             texts[begin + completion.prompt_index].append(completion.text)
         hooks.on_rows(end, sum(len(c.token_ids) for c in completions))

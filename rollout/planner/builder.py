@@ -41,6 +41,7 @@ from rollout.planner.definition import (
     Versions,
 )
 from rollout.planner.hardware import probe_hardware
+from rollout.planner.eval_suites import inspect_suites
 from rollout.planner.inspect_data import inspect_data
 from rollout.planner.inspect_model import inspect_model
 from rollout.planner.inspect_samples import record_check
@@ -104,6 +105,7 @@ def build_plan(
     fields = _reward_fields(run_config, data)
     rewards = _resolve_rewards(run_config, base, fields, issues)
     environment = _resolve_environment(run_config, base, issues)
+    eval_suites = inspect_suites(run_config, base, issues)
     device = _resolve_device(run_config, hardware, issues)
     if model is not None:
         issues.extend(_context_issues(run_config, model))
@@ -154,6 +156,7 @@ def build_plan(
         environment=environment,
         model=model,
         data=data,
+        eval_suites=eval_suites,
         hardware=hardware,
         graph=graph,
         memory=memory,
