@@ -40,8 +40,8 @@ from rollout.planner.definition import (
     Seeds,
     Versions,
 )
-from rollout.planner.hardware import probe_hardware
 from rollout.planner.eval_suites import inspect_suites
+from rollout.planner.hardware import probe_hardware
 from rollout.planner.inspect_data import inspect_data
 from rollout.planner.inspect_model import inspect_model
 from rollout.planner.inspect_samples import record_check

@@ -334,7 +334,9 @@ def _suite_changes(plan: Plan) -> list[Issue]:
             issues.append(Issue(where, f"eval suite file {local} no longer exists"))
         elif (now := sha256_file(local)) != facts.fingerprint:
             change = f"sha256 {short_hash(facts.fingerprint)} → {short_hash(now)}"
-            issues.append(Issue(where, f"eval suite file {local} changed since planning ({change})"))
+            issues.append(
+                Issue(where, f"eval suite file {local} changed since planning ({change})")
+            )
     return issues
 
 

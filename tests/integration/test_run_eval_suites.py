@@ -146,9 +146,7 @@ def test_a_changed_suite_file_makes_the_plan_stale(workdir: Path, suites_dir: Pa
     assert "changed since planning" in refused.stderr + refused.stdout
 
 
-def test_a_suite_row_without_its_field_is_refused_at_plan(
-    workdir: Path, suites_dir: Path
-) -> None:
+def test_a_suite_row_without_its_field_is_refused_at_plan(workdir: Path, suites_dir: Path) -> None:
     rows = [GSM8K[0], {"prompt": "no answer here"}]
     (suites_dir / "gsm8k.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     refused = rollout(workdir, "plan", "--config", "examples/grpo-tiny.toml", *_settings())

@@ -21,7 +21,7 @@ import torch
 from rollout.harness.eval.scorers import SCORERS, FunctionScorer, Score, Scorer
 from rollout.inference.batch import DEFAULT_BATCH_SIZE
 from rollout.inference.eval_report import metric_names, suite_result
-from rollout.inference.eval_suites import CheckedSuite, checked_suites, run_config_suites, first
+from rollout.inference.eval_suites import CheckedSuite, checked_suites, first, run_config_suites
 from rollout.inference.evaluate import Sampling, encode_suites, run_suite
 from rollout.models.loading import LoadedModel
 from rollout.plugins.resolve import load_plugin
