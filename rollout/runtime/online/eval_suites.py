@@ -2,7 +2,8 @@
 trains, with the trainer's own engine, and recorded as the same metrics `rollout eval --run`
 writes (eval/<suite>/<score>, eval/<suite>/<category>/<score>).
 
-Sampling and scoring are `rollout eval`'s (rollout.inference.evaluate.run_suite): the same
+Checking, sampling and scoring are `rollout eval`'s (rollout.planner.eval_suites,
+rollout.harness.eval.suites.run_suite): the same
 prompts (data.use_chat_template, data.system_prompt), greedy with one sample unless a suite says
 otherwise, seeded from run.seed. Every rank scores a shard of each suite's rows (row r on rank
 r mod world size); rank 0 gathers every row's scores and summarizes them whole, so pass@k, maj@k
@@ -13,17 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rollout.engines.base import DEFAULT_BATCH_SIZE, SamplingParams
+from rollout.harness.eval.results import metric_names, suite_result
 from rollout.harness.eval.scorers import SCORERS, FunctionScorer, Score, Scorer
-from rollout.inference.batch import DEFAULT_BATCH_SIZE
-from rollout.inference.eval_report import metric_names, suite_result
-from rollout.inference.eval_suites import CheckedSuite, checked_suites, first, run_config_suites
-from rollout.inference.evaluate import Sampling, encode_suites, run_suite
+from rollout.harness.eval.suites import CheckedSuite, Sampling, encode_suites, run_suite
 from rollout.models.loading import LoadedModel
+from rollout.planner.eval_suites import checked_suites, first, run_config_suites
 from rollout.plugins.resolve import load_plugin
 from rollout.runtime import transport
 from rollout.runtime.context import WorkerContext
@@ -64,7 +66,7 @@ class SuiteEvaluator:
         if ctx.is_main:
             writer.write_metrics(ctx.plan.run_id, step, metrics)
             shown = ", ".join(
-                f"{shard.suite.spec.name} {metrics[f'eval/{shard.suite.spec.name}/score']:.3g}"
+                f"{shard.suite.name} {metrics[f'eval/{shard.suite.name}/score']:.3g}"
                 for shard in self.shards
             )
             progress.info("eval suites at step %d: %s", step, shown)
@@ -127,7 +129,7 @@ def build_suite_evaluator(
     generation = config.generation
     sampling = Sampling(
         engine,
-        generation,
+        partial(SamplingParams, top_k=generation.top_k, stop=tuple(generation.stop)),
         first(generation.max_batch_size, DEFAULT_BATCH_SIZE[generation.engine]),
         config.run.seed,
     )
