@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.markup import escape
@@ -38,8 +38,10 @@ def list_(
     fmt: FormatOption = Format.text,
 ) -> None:
     """The agents that have memory in a checkpoint, and how many entries each keeps."""
+    from rollout.inference.memory import saved_memory
+
     with user_errors(fmt.value):
-        at, saved = _saved(run_id, step, store)
+        at, saved = saved_memory(run_id, step, store)
     agents = {agent: len(entries) for agent, entries in saved["agents"].items()}
     if fmt is Format.json:
         stdout.print_json(json.dumps({"run_id": run_id, "step": at, "agents": agents}))
@@ -58,8 +60,10 @@ def show(
     fmt: FormatOption = Format.text,
 ) -> None:
     """One agent's entries, oldest first: the step that wrote each, its text and metadata."""
+    from rollout.inference.memory import saved_memory
+
     with user_errors(fmt.value):
-        at, saved = _saved(run_id, step, store)
+        at, saved = saved_memory(run_id, step, store)
         if agent not in saved["agents"]:
             known = ", ".join(sorted(saved["agents"])) or "none"
             raise RolloutError(
@@ -88,39 +92,3 @@ def show(
             escape(json.dumps(entry["metadata"], sort_keys=True)) if entry["metadata"] else "",
         )
     stdout.print(table)
-
-
-def _saved(run_id: str, step: int | None, store: str | None) -> tuple[int, dict[str, Any]]:
-    """(step, the memory.json) of the newest committed checkpoint, or of `step`."""
-    from rollout.files import open_binary
-    from rollout.harness.memory import FILE, MEMORY_DIR
-    from rollout.inference.checkpoints import run_checkpoints
-
-    found = run_checkpoints(run_id, store)
-    committed = [c for c in found.found if not c.problems]
-    if step is not None:
-        committed = [c for c in committed if c.step == step]
-    if not committed:
-        which = f"step {step}" if step is not None else "any step"
-        raise RolloutError(
-            Issue(
-                "run id",
-                f"{run_id} has no committed checkpoint at {which} under {found.root}",
-                value=run_id,
-                hint=f"rollout checkpoints list {run_id}",
-            )
-        )
-    newest = committed[-1]
-    files = (newest.manifest or {}).get("files", {})
-    name = f"{MEMORY_DIR}/{FILE}"
-    if name not in files:
-        raise RolloutError(
-            Issue(
-                "run id",
-                f"the checkpoint at step {newest.step} of {run_id} holds no episodic memory: its "
-                "environment keeps none (an environment asks for it with a `memory` parameter)",
-                value=run_id,
-            )
-        )
-    with open_binary(f"{str(newest.location).rstrip('/')}/{name}") as handle:
-        return newest.step, json.loads(handle.read().decode("utf-8"))

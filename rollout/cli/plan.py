@@ -126,7 +126,7 @@ def _check_probe(the_plan) -> None:
 
 
 def _probe(the_plan, completions: int, *, quiet: bool):
-    from rollout.runtime.probe import probe
+    from rollout.inference.probe import probe
 
     with user_errors():
         if quiet:

@@ -86,14 +86,17 @@ class RequestHandle:
         *,
         events: queue.SimpleQueue[tuple[Any, ...]] | None = None,
         tag: int = 0,
+        notify: Callable[[], None] | None = None,
     ) -> None:
         """`events` is the queue the engine thread reports to, shared by the handles submitted
-        together; `tag` is this handle's place among them."""
+        together; `tag` is this handle's place among them; `notify` is called after each event
+        is queued (see EngineService.submit_many)."""
         self.prompt_ids = prompt_ids
         self.params = params
         self._decode = decode
         self._queue = events if events is not None else queue.SimpleQueue()
         self._tag = tag
+        self._notify = notify or _nothing
         self._group: list[RequestHandle] = [self]
         self._completions: list[Completion | None] = [None] * params.n
         self._remaining = params.n
@@ -121,6 +124,7 @@ class RequestHandle:
             row.cancelled = True
         self._queue.put((self._tag, "cancelled"))
         self._done.set()
+        self._notify()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until done (finished, failed or cancelled); False if `timeout` passed first."""
@@ -157,6 +161,7 @@ class RequestHandle:
     def _on_token(self, sample: int, row: GenerationRow, token_id: int, logprob: float) -> None:
         top = row.top_logprobs[-1] if self.params.top_logprobs else None
         self._queue.put((self._tag, "token", sample, token_id, logprob, top))
+        self._notify()
 
     def _finish(self, sample: int, completion: Completion) -> None:
         self._completions[sample] = completion
@@ -164,11 +169,17 @@ class RequestHandle:
         self._remaining -= 1
         if self._remaining == 0:
             self._done.set()
+        self._notify()
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
         self._queue.put((self._tag, "error", error))
         self._done.set()
+        self._notify()
+
+
+def _nothing() -> None:
+    pass
 
 
 def merge_events(
@@ -180,34 +191,53 @@ def merge_events(
     One consumer only. `timeout` bounds each wait for the next token (queue.Empty after it);
     the engine's exception is raised if a step failed; a cancelled handle's part just ends.
     """
-    if not handles or list(handles) != handles[0]._group:
-        raise ValueError("merge_events takes every handle of one submit_many call, in order")
-    shared = handles[0]._queue
-    streams = [
-        [
-            _TextStream(h._decode, h.params.stop, h.params.top_logprobs > 0)
-            for _ in range(h.params.n)
+    merger = EventMerger(handles)
+    while not merger.finished:
+        merged = merger.take(merger.queue.get(timeout=timeout))
+        if merged is not None:
+            yield merged
+
+
+class EventMerger:
+    """merge_events for a reader that must not block (an event loop): it takes what it finds
+    on `queue` (get_nowait) and waits for submit_many's `notify` when there is nothing."""
+
+    def __init__(self, handles: Sequence[RequestHandle]) -> None:
+        if not handles or list(handles) != handles[0]._group:
+            raise ValueError("merge_events takes every handle of one submit_many call, in order")
+        self.queue = handles[0]._queue
+        self._streams = [
+            [
+                _TextStream(h._decode, h.params.stop, h.params.top_logprobs > 0)
+                for _ in range(h.params.n)
+            ]
+            for h in handles
         ]
-        for h in handles
-    ]
-    unfinished = [handle.params.n for handle in handles]
-    while any(unfinished):
-        tag, kind, *rest = shared.get(timeout=timeout)
-        if not unfinished[tag]:
-            continue  # a token sampled while its handle was being cancelled
+        self._unfinished = [handle.params.n for handle in handles]
+
+    @property
+    def finished(self) -> bool:
+        """Every sample of every handle has finished (or its handle was cancelled)."""
+        return not any(self._unfinished)
+
+    def take(self, item: tuple[Any, ...]) -> tuple[int, TokenEvent] | None:
+        """The event (with its handle's index) one queued item makes, if it makes one; raises
+        the engine's exception if a step failed."""
+        tag, kind, *rest = item
+        if not self._unfinished[tag]:
+            return None  # a token sampled while its handle was being cancelled
         if kind == "token":
             sample, token_id, logprob, top = rest
-            event = streams[tag][sample].push(sample, token_id, logprob, top)
-            if event is not None:
-                yield tag, event
-        elif kind == "done":
+            event = self._streams[tag][sample].push(sample, token_id, logprob, top)
+            return None if event is None else (tag, event)
+        if kind == "done":
             sample, completion = rest
-            unfinished[tag] -= 1
-            yield tag, streams[tag][sample].finish(sample, completion)
-        elif kind == "error":
+            self._unfinished[tag] -= 1
+            return tag, self._streams[tag][sample].finish(sample, completion)
+        if kind == "error":
             raise rest[0]
-        else:  # cancelled
-            unfinished[tag] = 0
+        self._unfinished[tag] = 0  # cancelled
+        return None
 
 
 class EngineService:
@@ -256,17 +286,23 @@ class EngineService:
         return self.submit_many([prompt_ids], [params])[0]
 
     def submit_many(
-        self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        *,
+        notify: Callable[[], None] | None = None,
     ) -> list[RequestHandle]:
         """Queue several prompts, each with its own parameters, as one request per prompt whose
         events share one queue (read them with merge_events); thread-safe. All are taken, or
-        none: the errors are submit's.
+        none: the errors are submit's. `notify` is called (from the engine thread, or one that
+        cancels) after each event is queued and the handle's state updated: how an event loop
+        learns of events without a thread blocked on the queue. It must not block.
         """
         if len(prompts) != len(params):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameters")
         events: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         handles = [
-            RequestHandle(list(prompt), each, self._decode, events=events, tag=tag)
+            RequestHandle(list(prompt), each, self._decode, events=events, tag=tag, notify=notify)
             for tag, (prompt, each) in enumerate(zip(prompts, params, strict=True))
         ]
         for handle in handles:

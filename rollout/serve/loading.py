@@ -198,10 +198,8 @@ def load_served(
 ) -> Any:
     """Load the model and start an EngineService: (ServedModel, the service)."""
     from rollout.engines.build import build_engine
-    from rollout.engines.service import EngineService
     from rollout.inference.model_choice import inspect_model_at
     from rollout.models.loading import load_model
-    from rollout.serve.server import ServedModel
 
     facts = inspect_model_at(source.section, source.base_dir, source.option)
     if dtype == "auto":
@@ -220,7 +218,29 @@ def load_served(
         seed=seed,
     )
     engine.load_weights(None, version=source.policy_version)
-    tokenizer, template = loaded.tokenizer, loaded.chat_template
+    return served_engine(
+        engine,
+        loaded.tokenizer,
+        loaded.chat_template,
+        name=source.name,
+        defaults=source.defaults,
+    )
+
+
+def served_engine(
+    engine: Any,
+    tokenizer: Any,
+    template: str | None,
+    *,
+    name: str,
+    defaults: Any = None,
+    max_requests: int | None = None,
+) -> Any:
+    """A ServedModel over an hf engine that is already built (`rollout serve`'s, or a training
+    run's own, which the agent harness serves to its agents): its EngineService started."""
+    from rollout.engines.service import DEFAULT_MAX_REQUESTS, EngineService
+    from rollout.serve.protocol import Defaults
+    from rollout.serve.server import ServedModel
 
     def chat_encode(messages: list[dict[str, Any]]) -> list[int]:
         return list(
@@ -241,15 +261,15 @@ def load_served(
         return list(tokenizer.encode(text, add_special_tokens=True, **limit))
 
     info = ModelInfo(
-        name=source.name,
+        name=name,
         context_length=context,
-        vocab_size=loaded.model.config.vocab_size,
+        vocab_size=engine.model.config.vocab_size,
         encode=encode,
         chat_encode=chat_encode if template else None,
-        defaults=source.defaults,
+        defaults=defaults if defaults is not None else Defaults(),
         max_token_chars=max_token_chars(tokenizer),
     )
-    service = EngineService(engine)
+    service = EngineService(engine, max_requests=max_requests or DEFAULT_MAX_REQUESTS)
 
     # Alternatives (top_logprobs) ask for up to 20 token texts per sampled token: cache them.
     @functools.lru_cache(maxsize=1 << 16)

@@ -1,54 +1,61 @@
-"""The OpenAI-compatible HTTP server, on the standard library's ThreadingHTTPServer.
+"""The OpenAI-compatible HTTP server: an ASGI application on uvicorn (h11), one event loop.
 
-One thread per connection parses and checks a request, submits its prompts to the EngineService
-(whose single engine thread batches the requests of every connection together) and writes the
-answer: one JSON body, or server-sent events (`data: {...}` chunks, then `data: [DONE]`) in a
-chunked HTTP/1.1 response, each prompt's chunks sent as its tokens come. A client that goes away has its request cancelled: a failed write
-while streaming, a closed socket while waiting. Every bad request gets a 4xx in OpenAI's error
-shape and the server carries on; only a bug in the server itself gives a 500.
+Connections cost no thread: an idle keep-alive connection is a socket the event loop watches,
+and a request in flight is a coroutine waiting for the EngineService, whose single engine thread
+batches the requests of every connection together and wakes the loop as tokens come (its
+`notify` hook). The answer is one JSON body, or server-sent events (`data: {...}` chunks, then
+`data: [DONE]`) in a chunked HTTP/1.1 response, each prompt's chunks sent as its tokens come. A
+client that goes away has its request cancelled: uvicorn sees the connection close (or the client
+half-closes it while it waits). Every bad request gets a 4xx in OpenAI's error shape and the
+server carries on; only a bug in the server itself gives a 500.
 
-Every answer is JSON, the standard library's own refusals included (wire.py): a known route
-asked with another standard method gets 405, an unknown path 404, an unknown method 501, and a
-body read against a deadline (408 when it stalls). Nothing a client sends prints a traceback:
-a client that vanished mid-answer is logged at debug level; a traceback on stderr means a bug in
-the server (the 500 path).
+Every answer is JSON, h11's refusals included (wire.py): a known route asked with another
+standard method gets 405, an unknown path 404, an unknown method 501, an HTTP version other than
+1.x 505, and a body is read against a deadline (408 when it stalls). Nothing a client sends
+prints a traceback; a traceback on stderr means a bug in the server (the 500 path).
 
-Security: an API key, when set, is checked on every route (401 otherwise); the CLI binds only a
-loopback address without one. With an ssl.SSLContext the listening socket is wrapped and every
-connection speaks TLS (its handshake runs in the connection's thread, not the accepting one).
-Request bodies are capped at MAX_BODY_BYTES and idle connections time out after IDLE_TIMEOUT_S.
-Log lines and error bodies pass through redact_text: a path or header may carry a credential.
+Security: an API key, when set, is checked on every route (401 otherwise, compared in constant
+time); the CLI binds only a loopback address without one. With an ssl.SSLContext every
+connection speaks TLS (its handshake runs on the event loop, never blocking it). Request bodies
+are capped at MAX_BODY_BYTES and idle connections time out after IDLE_TIMEOUT_S. Log lines and
+error bodies pass through redact_text: a path or header may carry a credential.
+
+Episodes: with a CompletionRecorder (recording.py), `/episodes/{episode_id}` + a route serves
+that route and records every completion it serves for the episode.
 
 stop() is the graceful shutdown: no new connections, idle keep-alive connections closed,
-requests in flight answered in full, then the engine thread stopped.
+requests in flight answered in full, then the engine stopped.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
 import logging
-import select
+import queue
 import socket
 import ssl
-import sys
 import threading
-import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from http.server import ThreadingHTTPServer
 from typing import Any
 
-from rollout.engines.base import Completion
+import uvicorn
+from starlette.responses import Response, StreamingResponse
+
+from rollout.engines.base import Completion, SamplingParams
 from rollout.engines.service import (
     EngineService,
+    EventMerger,
     RequestHandle,
     ServiceBusy,
     ServiceClosed,
-    merge_events,
 )
 from rollout.redact import redact_text
 from rollout.serve.protocol import ApiError, GenerationRequest, ModelInfo, parse_request, per_prompt
+from rollout.serve.recording import EPISODE_ID, CompletionRecorder, RecorderFull
 from rollout.serve.responses import (
     OPENAI_FINISH,
     envelope,
@@ -57,18 +64,33 @@ from rollout.serve.responses import (
     rollout_fields,
     usage,
 )
-from rollout.serve.wire import BODY_TIMEOUT_S, MAX_BODY_BYTES, JsonHandler
+from rollout.serve.wire import (
+    BODY_TIMEOUT_S,
+    CONNECTION,
+    MAX_BODY_BYTES,
+    MAX_HEAD,
+    MAX_HEADERS,
+    MAX_LINE,
+    PEER_EOF,
+    JsonH11Protocol,
+    error_response,
+    error_type,
+    json_response,
+    read_body,
+)
 
 __all__ = ["BODY_TIMEOUT_S", "MAX_BODY_BYTES", "OpenAIServer", "ServedModel"]
 
 log = logging.getLogger("rollout.serve")
 
 IDLE_TIMEOUT_S = 60.0
-LINGER_S = 2.0
-"""How long a closed connection still reads (and drops) what its client sends: see
-OpenAIServer.shutdown_request."""
-DISCONNECT_POLL_S = 0.1
-"""How often a connection waiting for a non-streamed answer checks that its client is there."""
+BACKLOG = 2048
+"""The listen backlog: a burst of hundreds of agents connecting at once is queued, not reset."""
+Record = Callable[[list[int], Completion], None]
+"""Records one finished completion of a prompt (a no-op outside an episode)."""
+STANDARD_METHODS = frozenset(
+    {"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT"}
+)
 
 
 @dataclass
@@ -82,13 +104,18 @@ class ServedModel:
     created: int = 0
 
 
-class OpenAIServer(ThreadingHTTPServer):
-    """Serves one model; `serve_forever()` in one thread, `stop()` from another."""
+ROUTES = {
+    "/v1/models": "GET",
+    "/v1/completions": "POST",
+    "/v1/chat/completions": "POST",
+}
+"""path -> the one method it takes."""
+EPISODE_PREFIX = "/episodes/"
+"""`/episodes/{episode_id}` + a route: the route, its completions recorded for the episode."""
 
-    daemon_threads = False  # server_close() joins the connection threads: in-flight requests end
-    block_on_close = True
-    allow_reuse_address = True
-    request_queue_size = 128  # the listen backlog: socketserver's 5 resets a burst of clients
+
+class OpenAIServer:
+    """Serves one model; `serve_forever()` in one thread, `stop()` from another."""
 
     def __init__(
         self,
@@ -98,183 +125,170 @@ class OpenAIServer(ThreadingHTTPServer):
         api_key: str | None,
         tls: ssl.SSLContext | None = None,
         body_timeout_s: float = BODY_TIMEOUT_S,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        recorder: CompletionRecorder | None = None,
+        episode_sampling: Callable[[SamplingParams], SamplingParams] | None = None,
     ):
-        """`tls`: serve HTTPS with this server-side context (rollout.serve.loading.tls_context).
-        `body_timeout_s`: how long a request body may stall before the request gets 408."""
+        """Binds `address` (OSError if it cannot). `tls`: serve HTTPS with this server-side
+        context (rollout.serve.loading.tls_context). `body_timeout_s`: how long a request body
+        may stall before the request gets 408. `idle_timeout_s`: how long a connection may wait
+        for its next request (or the rest of its request head) before it is closed. `recorder`: serve the episode routes
+        (`/episodes/{id}/v1/...`) and record there every completion served (recording.py);
+        without one those routes are 404. `episode_sampling`: what an episode request samples
+        with, given what it asked for (a training run overrides an agent's temperature with its
+        own, so the recorded log-probs are the ones its learner recomputes)."""
         self.model = model
         self.api_key = api_key
         self.body_timeout_s = body_timeout_s
-        self.stopping = False
-        self._connections: dict[_Handler, bool] = {}  # handler -> busy with a request
-        self._connections_lock = threading.Lock()
-        super().__init__(address, _Handler)
+        self.recorder = recorder
+        self.episode_sampling = episode_sampling
         self.https = tls is not None
-        if tls is not None:
-            # Accepted sockets inherit do_handshake_on_connect: False keeps a slow or hostile
-            # client's handshake out of the accepting thread (_Handler.handle does it).
-            self.socket = tls.wrap_socket(
-                self.socket, server_side=True, do_handshake_on_connect=False
-            )
+        host, port = address
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.create_server((host, port), family=family, backlog=BACKLOG)
+        self.server_address = self.socket.getsockname()
+        config = uvicorn.Config(
+            self._app,
+            http=JsonH11Protocol,
+            ws="none",
+            interface="asgi3",
+            lifespan="off",
+            proxy_headers=False,  # no X-Forwarded-For trusted: the client is the socket's peer
+            log_config=None,
+            log_level=logging.CRITICAL,  # its lines say nothing ours do not (and name no path)
+            access_log=False,
+            server_header=False,
+            date_header=False,
+            backlog=BACKLOG,
+            timeout_keep_alive=idle_timeout_s,  # type: ignore[arg-type]  # a float works
+            h11_max_incomplete_event_size=MAX_HEAD,
+            ssl_context_factory=None if tls is None else (lambda config, default: tls),
+        )
+        self._uvicorn = uvicorn.Server(config)
+        self._serving = threading.Event()
+        self._stopped = threading.Event()
 
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
         return f"{'https' if self.https else 'http'}://{host}:{port}/v1"
 
+    def episode_url(self, episode_id: str) -> str:
+        """The base URL an agent of this episode is given: the same API, recorded."""
+        if EPISODE_ID.fullmatch(episode_id) is None:
+            raise ValueError(f"not an episode id: {episode_id!r} (letters, digits, . _ -)")
+        return self.url.removesuffix("/v1") + f"/episodes/{episode_id}/v1"
+
+    @property
+    def stopping(self) -> bool:
+        return self._uvicorn.should_exit
+
+    def serve_forever(self, poll_interval: float = 0.1) -> None:
+        """Serve until stop(). `poll_interval` is accepted for the callers of the threaded server
+        it replaced; uvicorn checks for stop() every 0.1 s."""
+        del poll_interval
+        self._serving.set()
+        try:
+            asyncio.run(self._uvicorn.serve(sockets=[self.socket]))
+        finally:
+            self._stopped.set()
+
     def stop(self) -> None:
-        """Graceful shutdown (from any thread but serve_forever's): stop accepting, close idle
-        connections, let requests in flight finish, stop the engine."""
-        self.stopping = True
-        self.shutdown()
-        with self._connections_lock:
-            idle = [handler for handler, busy in self._connections.items() if not busy]
-        for handler in idle:
-            handler.close_socket()
-        self.server_close()  # joins the connection threads
+        """Graceful shutdown (from another thread than serve_forever's): stop accepting, close
+        idle connections, let requests in flight finish, stop the engine."""
+        self._uvicorn.should_exit = True
+        if self._serving.is_set():
+            self._stopped.wait()
+        else:
+            self.socket.close()
         self.model.service.close()
 
-    def shutdown_request(self, request: Any) -> None:
-        """Close a connection the way HTTP servers must (a lingering close): stop sending, then
-        read and drop whatever the client still sends, until it closes or LINGER_S pass. Closed
-        with unread bytes, the socket would send a TCP reset, and a client still sending a body
-        the server refused (413, 408) would lose the answer to it."""
+    # --- the ASGI application ------------------------------------------------------------------
+
+    async def _app(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        headers = {
+            name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]
+        }
+        response = await self._respond(scope, receive, headers)
+        await response(scope, receive, send)
+
+    async def _respond(
+        self, scope: dict[str, Any], receive: Any, headers: dict[str, str]
+    ) -> Response:
+        method = scope["method"]
+        raw_path = scope["raw_path"].decode("latin-1")
         try:
-            request.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
-        else:
-            deadline = time.monotonic() + LINGER_S
-            with contextlib.suppress(OSError, ValueError):
-                while (left := deadline - time.monotonic()) > 0:
-                    request.settimeout(left)
-                    if not request.recv(1 << 16):
-                        break
-        self.close_request(request)
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """What escaped a connection's handler: socketserver prints its traceback to stderr. A
-        client that went away (reset, broken pipe, timeout, TLS alert) is routine; anything else
-        is a bug, and says so."""
-        error = sys.exc_info()[1]
-        if isinstance(error, OSError):
-            log.debug("connection from %s ended: %r", client_address[0], error)
-        else:
-            log.exception("connection from %s failed", client_address[0])
-
-    def _track(self, handler: _Handler, busy: bool | None) -> None:
-        with self._connections_lock:
-            if busy is None:
-                self._connections.pop(handler, None)
-            else:
-                self._connections[handler] = busy
-
-
-ROUTES = {
-    "/v1/models": "GET",
-    "/v1/completions": "POST",
-    "/v1/chat/completions": "POST",
-}
-"""path -> the one method it takes."""
-
-
-class _Handler(JsonHandler):
-    timeout = IDLE_TIMEOUT_S
-    server: OpenAIServer
-
-    def setup(self) -> None:
-        super().setup()
-        self.body_timeout_s = self.server.body_timeout_s
-        self.server._track(self, False)
-
-    def finish(self) -> None:
-        self.server._track(self, None)
-        super().finish()
-
-    def close_socket(self) -> None:
-        with contextlib.suppress(OSError):
-            self.connection.shutdown(socket.SHUT_RDWR)
-
-    def handle(self) -> None:
-        if isinstance(self.connection, ssl.SSLSocket):
-            try:
-                self.connection.do_handshake()  # under the connection's idle timeout
-            except (OSError, ValueError) as error:  # ssl.SSLError is an OSError
-                log.debug("TLS handshake with %s failed: %s", self.address_string(), error)
-                self.close_connection = True
-                return
-        super().handle()
-
-    def parse_request(self) -> bool:
-        self.server._track(self, True)  # a request line arrived: no longer idle
-        return super().parse_request()
-
-    def handle_one_request(self) -> None:
-        super().handle_one_request()
-        self.server._track(self, False)
-        if self.server.stopping:
-            self.close_connection = True
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s %s", self.address_string(), redact_text(format % args))
-
-    def _closing(self) -> bool:
-        return self.server.stopping
-
-    # --- routing -------------------------------------------------------------------------------
-
-    def _route(self) -> None:
-        """Every standard method comes here (an unknown one gets 501 from the standard library):
-        a known path asked with the wrong one gets 405, not 501."""
-        self._dispatch(self.command)
-
-    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _route
-    do_HEAD = do_OPTIONS = do_TRACE = do_CONNECT = _route
-
-    def _dispatch(self, method: str) -> None:
-        try:
-            self._check_key()
-            path = self.path.split("?", 1)[0].rstrip("/")
+            if scope["http_version"] not in ("1.0", "1.1"):
+                raise _Closing(ApiError(505, "only HTTP/1.x is served", type=error_type(505)))
+            if method not in STANDARD_METHODS:
+                raise _Closing(
+                    ApiError(501, f"Unsupported method ({method[:20]!r})", type=error_type(501))
+                )
+            if len(raw_path) > MAX_LINE:
+                raise _Closing(ApiError(414, "the request line is too long"))
+            if len(scope["headers"]) > MAX_HEADERS or any(
+                len(name) + len(value) > MAX_LINE for name, value in scope["headers"]
+            ):
+                raise _Closing(ApiError(431, "the request headers are too large"))
+            # Read first, whatever the answer: the connection stays usable (and a stalled body
+            # gets 408 on every path, as it did).
+            body = await read_body(scope, receive, headers, self.body_timeout_s)
+            self._check_key(headers)
+            path = raw_path.split("?", 1)[0].rstrip("/")
+            episode, path = self._episode(path)
             wanted = ROUTES.get(path)
             if wanted is None:
-                self.read_body()  # keep the connection usable
                 raise ApiError(404, f"no route {path[:200]!r}", code="not_found")
             if method != wanted:
-                self.read_body()
-                self.send_json(
-                    405,
-                    ApiError(405, f"{path} takes {wanted}, not {method}").body(),
-                    headers={"Allow": wanted},
-                )
-                return
+                error = ApiError(405, f"{path} takes {wanted}, not {method}")
+                return error_response(error, Allow=wanted)
             if path == "/v1/models":
-                self._models()
-            else:
-                self._generate("chat" if path == "/v1/chat/completions" else "completion")
+                return self._models()
+            kind = "chat" if path == "/v1/chat/completions" else "completion"
+            return await self._generate(kind, episode, body, scope, receive)
+        except _Closing as closing:
+            return error_response(closing.error, close=True)
         except ApiError as error:
-            self.send_json(error.status, error.body())
+            return error_response(error, close=getattr(error, "close", False))
         except Exception:
-            log.exception("internal error on %s %s", method, redact_text(self.path[:200]))
+            log.exception("internal error on %s %s", method, redact_text(raw_path[:200]))
             error = ApiError(500, "internal server error", type="server_error")
-            self.send_json(500, error.body())
+            return error_response(error)
 
-    def _check_key(self) -> None:
-        key = self.server.api_key
+    def _episode(self, path: str) -> tuple[str | None, str]:
+        """(episode id, the route under it) for an episode path, (None, path) otherwise."""
+        if not path.startswith(EPISODE_PREFIX):
+            return None, path
+        episode, _, rest = path[len(EPISODE_PREFIX) :].partition("/")
+        if self.recorder is None:
+            raise ApiError(
+                404, "episode routes are served only with a completion recorder", code="not_found"
+            )
+        if EPISODE_ID.fullmatch(episode) is None:
+            raise ApiError(
+                404,
+                f"not an episode id: {episode[:200]!r} (1-128 letters, digits, '.', '_', '-')",
+                code="not_found",
+            )
+        return episode, "/" + rest
+
+    def _check_key(self, headers: dict[str, str]) -> None:
+        key = self.api_key
         if key is None:
             return
-        given = self.headers.get("Authorization", "")
+        given = headers.get("authorization", "")
         if not given.startswith("Bearer ") or not hmac.compare_digest(
             given[len("Bearer ") :].encode(), key.encode()
         ):
-            self.read_body()
             raise ApiError(
                 401,
                 "missing or wrong API key: send it as 'Authorization: Bearer <key>'",
                 code="invalid_api_key",
             )
 
-    def _models(self) -> None:
-        model = self.server.model
-        self.send_json(
+    def _models(self) -> Response:
+        model = self.model
+        return json_response(
             200,
             {
                 "object": "list",
@@ -290,41 +304,88 @@ class _Handler(JsonHandler):
             },
         )
 
-    def _generate(self, kind: str) -> None:
-        body = self.read_body()
+    async def _generate(
+        self,
+        kind: str,
+        episode: str | None,
+        body: bytes,
+        scope: dict[str, Any],
+        receive: Any,
+    ) -> Response:
         try:
             payload = json.loads(body)
         # ValueError: also an integer over 4300 digits; RecursionError: arrays nested too deep.
         except (ValueError, RecursionError) as error:
             raise ApiError(400, f"the body is not valid JSON: {str(error)[:200]}") from None
-        model = self.server.model
-        request = parse_request(kind, payload, model.info)  # type: ignore[arg-type]
-        handles = self._submit(request)
-        if request.stream:
-            self._stream(request, handles)
-        else:
-            self._answer(request, handles)
+        request = parse_request(kind, payload, self.model.info)  # type: ignore[arg-type]
+        record = self._recording(request, episode)
+        woken = asyncio.Event()
+        wake = _waker(asyncio.get_running_loop(), woken)
+        handles: list[RequestHandle] = []
 
-    def _submit(self, request: GenerationRequest) -> list[RequestHandle]:
-        service = self.server.model.service
-        params = [per_prompt(request, index) for index in range(len(request.prompts))]
+        def notify() -> None:  # an answer waits for the end only: one wake-up, not one a token
+            if request.stream or all(handle.done for handle in handles):
+                wake()
+
+        handles[:] = self._submit(request, notify, episode)
+        if request.stream:
+            return _SseResponse(self._stream(request, handles, woken, record), handles)
+        return await self._answer(request, handles, woken, record, scope, receive)
+
+    def _recording(self, request: GenerationRequest, episode: str | None) -> Record:
+        """What records a finished completion of prompt i: the recorder's, for an episode."""
+        recorder = self.recorder
+        if episode is None or recorder is None:
+            return lambda prompt, completion: None
         try:
-            return service.submit_many(request.prompts, params)
+            recorder.check_room()
+        except RecorderFull as error:
+            raise ApiError(503, str(error), type="server_error", code="unavailable") from None
+        return lambda prompt, completion: recorder.record(episode, request.kind, prompt, completion)
+
+    def _submit(
+        self, request: GenerationRequest, notify: Callable[[], None], episode: str | None = None
+    ) -> list[RequestHandle]:
+        params = [per_prompt(request, index) for index in range(len(request.prompts))]
+        if episode is not None and self.episode_sampling is not None:
+            params = [self.episode_sampling(each) for each in params]
+        try:
+            return self.model.service.submit_many(request.prompts, params, notify=notify)
         except (ServiceBusy, ServiceClosed) as error:
             raise ApiError(503, str(error), type="server_error", code="unavailable") from None
 
     # --- answers -------------------------------------------------------------------------------
 
-    def _answer(self, request: GenerationRequest, handles: list[RequestHandle]) -> None:
-        for handle in handles:
-            while not handle.wait(DISCONNECT_POLL_S):
-                if self._client_gone():
-                    for other in handles:
-                        other.cancel()
-                    self.close_connection = True
-                    return
+    async def _answer(
+        self,
+        request: GenerationRequest,
+        handles: list[RequestHandle],
+        woken: asyncio.Event,
+        record: Record,
+        scope: dict[str, Any],
+        receive: Any,
+    ) -> Response:
+        gone = asyncio.ensure_future(_client_gone(scope, receive))
+        try:
+            while not all(handle.done for handle in handles):
+                wake = asyncio.ensure_future(woken.wait())
+                await asyncio.wait({wake, gone}, return_when=asyncio.FIRST_COMPLETED)
+                wake.cancel()
+                woken.clear()
+                if gone.done():
+                    for handle in handles:
+                        handle.cancel()
+                    connection = scope.get(CONNECTION)
+                    if connection is not None:
+                        connection.abandon()
+                    return Response(status_code=499)  # never sent: the connection is closed
+        finally:
+            gone.cancel()
         results = [handle.result() for handle in handles]
-        kind, model = request.kind, self.server.model
+        for prompt, completions in zip(request.prompts, results, strict=True):
+            for completion in completions:
+                record(prompt, completion)
+        kind, model = request.kind, self.model
         body = envelope(kind, response_id(kind), model.info.name, chunk=False)
         choices = []
         for prompt, completions in zip(request.prompts, results, strict=True):
@@ -350,26 +411,38 @@ class _Handler(JsonHandler):
                 choices.append(choice)
         body["choices"] = choices
         body["usage"] = usage(request.prompts, [c for cs in results for c in cs])
-        self.send_json(200, body)
+        return json_response(200, body, close=self.stopping)
 
-    def _stream(self, request: GenerationRequest, handles: list[RequestHandle]) -> None:
-        kind, model = request.kind, self.server.model
+    async def _stream(
+        self,
+        request: GenerationRequest,
+        handles: list[RequestHandle],
+        woken: asyncio.Event,
+        record: Record,
+    ) -> AsyncIterator[bytes]:
+        kind, model = request.kind, self.model
         ident = response_id(kind)
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
         completions: list[Completion] = []
         n = request.params.n
         try:
             if kind == "chat":  # one prompt
                 for index in range(n):
                     delta = {"role": "assistant", "content": ""}
-                    self._event(self._chunk(request, ident, index, delta))
+                    yield _event(self._chunk(request, ident, index, delta))
             # Every prompt's tokens as they are sampled: a short completion is not held up
             # behind a long one of an earlier prompt.
-            for number, event in merge_events(handles):
+            merger = EventMerger(handles)
+            while not merger.finished:
+                try:
+                    item = merger.queue.get_nowait()
+                except queue.Empty:
+                    await woken.wait()
+                    woken.clear()
+                    continue
+                merged = merger.take(item)
+                if merged is None:
+                    continue
+                number, event = merged
                 index = number * n + event.sample
                 delta = {"content": event.text} if kind == "chat" else event.text
                 chunk = self._chunk(request, ident, index, delta)
@@ -381,35 +454,29 @@ class _Handler(JsonHandler):
                 if event.completion is not None:
                     completion = event.completion
                     completions.append(completion)
+                    record(request.prompts[number], completion)
                     choice["finish_reason"] = OPENAI_FINISH[completion.finish_reason]
                     choice["rollout"] = rollout_fields(request.prompts[number], completion)
-                self._event(chunk)
+                yield _event(chunk)
             if request.include_usage:
                 chunk = envelope(kind, ident, model.info.name, chunk=True)
                 chunk["choices"] = []
                 chunk["usage"] = usage(request.prompts, completions)
-                self._event(chunk)
-            self._event("[DONE]")
-            self._write_chunk(b"")
-        except OSError:
-            for handle in handles:  # the client went away
-                handle.cancel()
-            self.close_connection = True
+                yield _event(chunk)
+            yield _event("[DONE]")
         except Exception as error:  # an engine step failed: say so in the stream, then end it
             log.exception("generation failed while streaming")
             failure = ApiError(500, f"generation failed: {error}", type="server_error")
-            try:
-                self._event(failure.body())
-                self._event("[DONE]")
-                self._write_chunk(b"")
-            except OSError:
-                pass
-            self.close_connection = True
+            yield _event(failure.body())
+            yield _event("[DONE]")
+        finally:  # the client went away (the stream was cancelled), or it ended: no-op then
+            for handle in handles:
+                handle.cancel()
 
     def _chunk(
         self, request: GenerationRequest, ident: str, index: int, delta: Any
     ) -> dict[str, Any]:
-        chunk = envelope(request.kind, ident, self.server.model.info.name, chunk=True)
+        chunk = envelope(request.kind, ident, self.model.info.name, chunk=True)
         choice: dict[str, Any] = {"index": index}
         if request.kind == "chat":
             choice["delta"] = delta
@@ -420,38 +487,51 @@ class _Handler(JsonHandler):
         chunk["choices"] = [choice]
         return chunk
 
-    # --- wire ----------------------------------------------------------------------------------
 
-    def _event(self, data: dict[str, Any] | str) -> None:
-        text = data if isinstance(data, str) else json.dumps(data)
-        self._write_chunk(f"data: {text}\n\n".encode())
+class _Closing(Exception):
+    """An error after which the connection closes."""
 
-    def _write_chunk(self, payload: bytes) -> None:
-        self.wfile.write(b"%X\r\n%s\r\n" % (len(payload), payload))
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
-    def _client_gone(self) -> bool:
-        """Whether the client closed its end (readable, with nothing to read)."""
+
+class _SseResponse(StreamingResponse):
+    """Server-sent events; its handles are cancelled however the response ends."""
+
+    def __init__(self, events: AsyncIterator[bytes], handles: list[RequestHandle]) -> None:
+        # Not media_type: starlette would add "; charset=utf-8", which SSE does not take.
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        super().__init__(events, headers=headers)
+        self._handles = handles
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            if not readable:
-                return False
-            if isinstance(self.connection, ssl.SSLSocket):
-                return self._tls_client_gone(self.connection)
-            return self.connection.recv(1, socket.MSG_PEEK) == b""
-        except (OSError, ValueError):
-            return True
-
-    def _tls_client_gone(self, connection: ssl.SSLSocket) -> bool:
-        """_client_gone over TLS, which cannot peek: TLS 1.3 encrypts a close_notify like data,
-        so only reading tells. A byte of a pipelined next request is lost that way: the
-        connection then closes after this answer, and the client sends that request again."""
-        connection.settimeout(0)  # a record that has not fully arrived must not block the wait
-        try:
-            data = connection.recv(1)
-        except ssl.SSLWantReadError:
-            return False
+            await super().__call__(scope, receive, send)
         finally:
-            connection.settimeout(self.timeout)
-        if data:
-            self.close_connection = True
-        return data == b""
+            for handle in self._handles:
+                handle.cancel()
+
+
+def _event(data: dict[str, Any] | str) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data)
+    return f"data: {text}\n\n".encode()
+
+
+def _waker(loop: asyncio.AbstractEventLoop, woken: asyncio.Event) -> Callable[[], None]:
+    """The engine thread's `notify`: wake the request's coroutine (a loop that has closed, with
+    a cancelled request's last tokens still coming, is no error)."""
+
+    def wake() -> None:
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(woken.set)
+
+    return wake
+
+
+async def _client_gone(scope: dict[str, Any], receive: Any) -> None:
+    """Returns once the client has gone: closed the connection, or half-closed it."""
+    while not scope.get(PEER_EOF):
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

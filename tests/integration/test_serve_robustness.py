@@ -33,6 +33,7 @@ from rollout.serve.server import MAX_BODY_BYTES, OpenAIServer
 MODEL = "tiny-llama"
 WAIT_S = 30.0
 BODY_TIMEOUT_S = 0.5
+IDLE_TIMEOUT_S = 2.0
 CONTEXT = 64
 """The context the fuzzed server announces: no request it takes costs more than 4 prompts x
 16 samples x 64 tokens."""
@@ -51,7 +52,13 @@ def server(rollout_cache):
     source = replace(source, defaults=Defaults(max_tokens=4))
     served = load_served(source, device="cpu", dtype="auto", seed=0, max_batch_size=8)
     served.info = replace(served.info, context_length=CONTEXT)
-    running = OpenAIServer(("127.0.0.1", 0), served, api_key=None, body_timeout_s=BODY_TIMEOUT_S)
+    running = OpenAIServer(
+        ("127.0.0.1", 0),
+        served,
+        api_key=None,
+        body_timeout_s=BODY_TIMEOUT_S,
+        idle_timeout_s=IDLE_TIMEOUT_S,
+    )
     thread = threading.Thread(target=running.serve_forever, kwargs={"poll_interval": 0.05})
     thread.start()
     yield running
@@ -269,6 +276,15 @@ def test_a_trickling_body_gets_408_at_its_deadline(server, no_traceback):
     answer = exchange(server.server_address, post("/v1/completions", body), trickle=0.02)
     assert answer.status == 408 and answer.seconds < BODY_TIMEOUT_S + 5
     still_serving(server)
+
+
+@pytest.mark.parametrize("sent", [b"", b"GET /v1/mo", b"GET /v1/models HTTP/1.1\r\nHost: x\r\n"])
+def test_a_connection_without_a_whole_request_is_closed_after_the_idle_timeout(server, sent):
+    started = time.monotonic()
+    with socket.create_connection(server.server_address[:2], timeout=WAIT_S) as connection:
+        connection.sendall(sent)
+        assert connection.recv(1) == b""  # closed, without an answer
+    assert IDLE_TIMEOUT_S - 0.5 < time.monotonic() - started < IDLE_TIMEOUT_S + 5
 
 
 # --- every documented field, fuzzed ---------------------------------------------------------------

@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from rollout.cli.app import app
+from rollout.inference.probe import probe
 from rollout.planner.builder import build_plan
-from rollout.runtime.probe import probe
 
 runner = CliRunner()
 

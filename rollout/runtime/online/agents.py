@@ -1,0 +1,300 @@
+"""The actor for agent programs: each episode is an external program talking to the policy
+through rollout's own OpenAI-compatible server, trained on exactly the tokens it was served.
+
+The server runs in this process on 127.0.0.1 with a fresh key, over the run's own engine, and
+records every completion served under an episode's base URL (rollout.serve.recording) with the
+prompt token ids the model was conditioned on, the sampled token ids and their log-probs. Episode
+requests sample with the run's settings (temperature, top_p, top_k; max_tokens capped at
+generation.max_new_tokens) whatever the agent asked for, so the log-probs recorded are the ones
+the learner recomputes.
+
+An episode's completions become rows of the batch. A call whose prompt extends the previous
+call's prompt and completion token for token (a conversation growing turn by turn) joins that
+row: what came in between (tool results, the next user message, the chat template's markers) is
+context, out of the loss. A call that does not (the agent rewrote its history) starts a row of
+its own. Every token trained on is one the engine sampled, conditioned on exactly the tokens it
+was conditioned on when serving the agent. The rows of an episode share its advantage (its
+return, scored by [[rewards]] on the program's final answer, against its group's).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from rollout.engines.base import Engine, SamplingParams
+from rollout.harness.agents import AgentOutcome, AgentProgram
+from rollout.harness.reward_runner import RewardRunner
+from rollout.runtime.online.actor import PromptFormat, Rollout, Row
+from rollout.runtime.online.batches import RolloutBatch
+from rollout.serve.loading import served_engine
+from rollout.serve.recording import CompletionRecorder, RecordedCompletion
+from rollout.serve.server import OpenAIServer
+
+log = logging.getLogger("rollout.agents")
+
+
+@dataclass
+class Stretch:
+    """One row: a prompt, then sampled tokens and the context between them."""
+
+    prompt: list[int]
+    tokens: list[int]
+    mask: list[int]
+    logprobs: list[float]
+    policy_version: int
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.tokens
+
+
+def assemble(calls: Sequence[RecordedCompletion]) -> list[Stretch]:
+    """An episode's served completions (in the order they finished) as rows: each call joins
+    the row whose whole context its prompt begins with, or starts a new one."""
+    stretches: list[Stretch] = []
+    for call in calls:
+        prompt = list(call.prompt_token_ids)
+        joined = next(
+            (s for s in reversed(stretches) if prompt[: len(s.context)] == s.context), None
+        )
+        if joined is None:
+            stretches.append(
+                Stretch(
+                    prompt,
+                    list(call.token_ids),
+                    [1] * len(call.token_ids),
+                    list(call.logprobs),
+                    call.policy_version,
+                )
+            )
+            continue
+        between = prompt[len(joined.context) :]
+        joined.tokens += between + list(call.token_ids)
+        joined.mask += [0] * len(between) + [1] * len(call.token_ids)
+        joined.logprobs += [0.0] * len(between) + list(call.logprobs)
+        joined.policy_version = min(joined.policy_version, call.policy_version)
+    return stretches
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    concurrency: int
+    """Episodes (agent programs) running at once."""
+    max_calls: int
+    """Completions one episode may ask for (environment.max_turns); more fails it."""
+    failure_reward: float
+    stop_on_failure: bool
+    """environment.on_error = "stop": a failed episode stops the step."""
+
+
+class AgentFailure(Exception):
+    """An agent program failed with on_error = "stop"."""
+
+
+@dataclass
+class _Episode:
+    episode_id: str
+    row: dict[str, Any]
+    outcome: AgentOutcome | None = None
+    stretches: list[Stretch] | None = None
+    failure: str | None = None
+    calls: int = 0
+
+
+class AgentActor:
+    def __init__(
+        self,
+        rewards: RewardRunner,
+        engine: Engine,
+        prompt_format: PromptFormat,
+        program: AgentProgram,
+        advantage: Callable[[torch.Tensor, int], torch.Tensor],
+        params: SamplingParams,
+        settings: AgentSettings,
+        *,
+        tokenizer: Any,
+        chat_template: str | None,
+        model_name: str = "policy",
+    ):
+        self.rewards = rewards
+        self.engine = engine
+        self.format = prompt_format
+        self.program = program
+        self.advantage = advantage
+        self.params = params
+        self.settings = settings
+        self.memory = None
+        self.recorder = CompletionRecorder()
+        self._api_key = secrets.token_hex(16)
+        self._greedy = False
+        # Every episode of a step may ask at once; the service must queue them all.
+        served = served_engine(
+            engine,
+            tokenizer,
+            chat_template,
+            name=model_name,
+            max_requests=max(256, 4 * settings.concurrency),
+        )
+        self.server = OpenAIServer(
+            ("127.0.0.1", 0),
+            served,
+            api_key=self._api_key,
+            recorder=self.recorder,
+            episode_sampling=self._sampling,
+        )
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, name="agent-server", daemon=True
+        )
+        self._thread.start()
+        self._count = 0
+
+    def rollout(self, rows: Sequence[Row], *, seed: int) -> Rollout:
+        """Run ``params.n`` episodes of each row; score them; compute advantages."""
+        group = self.params.n
+        started = time.perf_counter()
+        episodes = self._play([dict(row) for row in rows for _ in range(group)])
+        returns = self._returns(episodes)
+        advantages = self.advantage(returns, group).float()
+        batch = self._batch(episodes, returns, advantages, group)
+        metrics = self._metrics(episodes, returns, time.perf_counter() - started)
+        return Rollout(batch=batch, metrics=metrics)
+
+    def evaluate(self, rows: Sequence[Row], *, seed: int) -> tuple[dict[str, float], int]:
+        """Summed returns of one greedy episode per row, and how many rows (see
+        evaluate.evaluate: sums, for the mean over every rank's share)."""
+        names = ("eval/reward", "eval/failed_fraction", "eval/calls_mean")
+        if not rows:
+            return dict.fromkeys(names, 0.0), 0
+        self._greedy = True
+        try:
+            episodes = self._play([dict(row) for row in rows])
+        finally:
+            self._greedy = False
+        returns = self._returns(episodes)
+        sums = (
+            returns.sum().item(),
+            sum(e.failure is not None for e in episodes),
+            sum(e.calls for e in episodes),
+        )
+        return dict(zip(names, map(float, sums), strict=True)), len(rows)
+
+    def close(self) -> None:
+        self.server.stop()
+        self._thread.join(timeout=10)
+
+    # --- episodes --------------------------------------------------------------------------
+
+    def _sampling(self, asked: SamplingParams) -> SamplingParams:
+        """What an episode request samples with: the run's settings, not the agent's."""
+        run = self.params
+        return replace(
+            asked,
+            temperature=0.0 if self._greedy else run.temperature,
+            top_p=run.top_p,
+            top_k=run.top_k,
+            max_new_tokens=min(asked.max_new_tokens, run.max_new_tokens),
+        )
+
+    def _play(self, rows: list[dict[str, Any]]) -> list[_Episode]:
+        episodes = []
+        for row in rows:
+            self._count += 1
+            episodes.append(_Episode(f"episode-{self._count}", row))
+        workers = min(self.settings.concurrency, len(episodes))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="agent") as pool:
+            outcomes = list(pool.map(self._run, episodes))
+        for episode, outcome in zip(episodes, outcomes, strict=True):
+            episode.outcome = outcome
+            calls = self.recorder.drain(episode.episode_id)
+            episode.calls = len(calls)
+            episode.stretches = assemble(calls)
+            episode.failure = outcome.failure or self._problem(calls)
+            if episode.failure is not None:
+                message = f"agent episode {episode.episode_id} failed: {episode.failure}"
+                if self.settings.stop_on_failure:
+                    raise AgentFailure(message)
+                log.warning("%s (scored %g)", message, self.settings.failure_reward)
+        return episodes
+
+    def _run(self, episode: _Episode) -> AgentOutcome:
+        return self.program.run(
+            base_url=self.server.episode_url(episode.episode_id),
+            api_key=self._api_key,
+            task=self.format.reward_row(episode.row),
+            episode_id=episode.episode_id,
+        )
+
+    def _problem(self, calls: list[RecordedCompletion]) -> str | None:
+        if not calls:
+            return "the agent asked the model for nothing (no completion was served)"
+        if len(calls) > self.settings.max_calls:
+            return (
+                f"the agent asked for {len(calls)} completions, more than environment.max_turns "
+                f"= {self.settings.max_calls}"
+            )
+        return None
+
+    def _returns(self, episodes: list[_Episode]) -> torch.Tensor:
+        scored = [e for e in episodes if e.failure is None]
+        totals = []
+        if scored:
+            prompts = [self.format.prompt_text(e.row) for e in scored]
+            answers = [e.outcome.answer if e.outcome else "" for e in scored]
+            rows = [self.format.reward_row(e.row) for e in scored]
+            totals = self.rewards.score(prompts, answers, rows).total
+        by_episode = dict(zip((id(e) for e in scored), totals, strict=True))
+        values = [by_episode.get(id(e), self.settings.failure_reward) for e in episodes]
+        return torch.tensor(values, dtype=torch.float32, device="cpu")
+
+    def _batch(
+        self,
+        episodes: list[_Episode],
+        returns: torch.Tensor,
+        advantages: torch.Tensor,
+        group: int,
+    ) -> RolloutBatch:
+        owners = [i for i, e in enumerate(episodes) for _ in (e.stretches or [])]
+        stretches = [s for e in episodes for s in (e.stretches or [])]
+        if not stretches:
+            raise AgentFailure(
+                "no agent episode of this step asked the model for anything: nothing to train on"
+            )
+        index = torch.tensor(owners, dtype=torch.long, device="cpu")
+        return RolloutBatch(
+            prompt_ids=[s.prompt for s in stretches],
+            completion_ids=[s.tokens for s in stretches],
+            old_logprobs=[s.logprobs for s in stretches],
+            rewards=returns[index],
+            advantages=advantages[index],
+            group_size=group,
+            policy_version=min(s.policy_version for s in stretches),
+            texts=[episodes[i].outcome.answer if episodes[i].outcome else "" for i in owners],
+            loss_mask=[s.mask for s in stretches],
+        )
+
+    def _metrics(
+        self, episodes: list[_Episode], returns: torch.Tensor, seconds: float
+    ) -> dict[str, float]:
+        count = max(1, len(episodes))
+        rows = sum(len(e.stretches or []) for e in episodes)
+        generated = sum(sum(s.mask) for e in episodes for s in (e.stretches or []))
+        return {
+            "reward/mean": returns.mean().item(),
+            "reward/std": returns.std().item() if len(returns) > 1 else 0.0,
+            "episode/calls_mean": sum(e.calls for e in episodes) / count,
+            "episode/rows_mean": rows / count,
+            "episode/failed_fraction": sum(e.failure is not None for e in episodes) / count,
+            "episode/agent_s_mean": sum(e.outcome.seconds for e in episodes if e.outcome) / count,
+            "perf/generated_tokens": float(generated),
+            "perf/generate_s": seconds,
+            "perf/score_s": 0.0,
+        }
