@@ -28,6 +28,11 @@ class RunConfig(TypedDict):
     prompt gets one answer, scored by [[rewards]].
 
     Default: None."""
+    eval: NotRequired[EvalSection | None]
+    """Eval suites scored during training (online algorithms), at step 0, every run.eval_interval
+    steps and at the last step. None: none.
+
+    Default: None."""
     cluster: NotRequired[ClusterSection]
     """Nodes, processes, devices and role placement."""
     storage: NotRequired[StorageSection]
@@ -300,6 +305,50 @@ class EnvironmentSection(TypedDict):
     plan.lock records it. Only with such a tool.
 
     Default: False."""
+
+class EvalSection(TypedDict):
+    """[eval] in a run config: suites the trainer runs on the policy as it trains, at step 0,
+    every run.eval_interval steps and at the last step, recorded as eval/<suite>/<score>."""
+    suites: list[EvalSuite]
+    """The suites to run, in order, with the keys of an eval config's [[suites]]; data paths are
+    relative to the run config. Online algorithms only."""
+
+class EvalSuite(TypedDict):
+    name: str
+    """The suite's name in the table, the report and run-store metrics (eval/<name>/<score>):
+    letters, digits, '_', '.', '-'."""
+    scorer: str
+    """How completions are scored: 'gsm8k' (final number equals 'answer'), 'ifeval' (the row's
+    'instruction_id_list' and 'kwargs' are followed), 'mmlu' (the stated letter is 'answer'),
+    'mmlu_loglik' (the likeliest of 'choices' is 'answer'; samples nothing), or a plugin:
+    'package.module:function' or './file.py:function' (relative to this config), called as
+    fn(row, completion) -> a score in [0, 1]."""
+    data: str
+    """JSONL or Parquet file of rows: a path relative to this config's directory, or an fsspec
+    URL."""
+    samples: NotRequired[int]
+    """Completions sampled per row (n of pass@k).
+
+    Range: ≥ 1, ≤ 1024. Default: 1."""
+    k: NotRequired[list[int]]
+    """The k of pass@k and maj@k, each at most samples. Empty: 1 and samples."""
+    max_new_tokens: NotRequired[int | None]
+    """Most tokens per completion. None: [generation]'s.
+
+    Range: ≥ 1. Default: None."""
+    temperature: NotRequired[float | None]
+    """Sampling temperature. None: 0 (greedy) with one sample, [generation]'s with more (more
+    samples at temperature 0 are refused: they would all be the same).
+
+    Range: ≥ 0. Default: None."""
+    top_p: NotRequired[float | None]
+    """Nucleus sampling mass. None: [generation]'s.
+
+    Range: > 0, ≤ 1. Default: None."""
+    limit: NotRequired[int | None]
+    """Only the first N rows.
+
+    Range: ≥ 1. Default: None."""
 
 class FieldMap(TypedDict):
     """Which record field plays which part. Unset parts are not used."""

@@ -98,6 +98,17 @@ class EvalConfig(ConfigModel):
     suites: list[EvalSuite] = Field(min_length=1, description="The suites to run, in order.")
 
 
+class EvalSection(ConfigModel):
+    """[eval] in a run config: suites the trainer runs on the policy as it trains, at step 0,
+    every run.eval_interval steps and at the last step, recorded as eval/<suite>/<score>."""
+
+    suites: list[EvalSuite] = Field(
+        min_length=1,
+        description="The suites to run, in order, with the keys of an eval config's [[suites]]; "
+        "data paths are relative to the run config. Online algorithms only.",
+    )
+
+
 def suite_issues(suite: EvalSuite, where: Callable[[str], str]) -> list[Issue]:
     """What is wrong across a suite's fields; `where(field)` names the place to report it (the
     config path, or the flag that set it)."""

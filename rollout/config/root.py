@@ -10,6 +10,7 @@ from rollout.config.checkpoint import CheckpointSection
 from rollout.config.cluster import ClusterSection
 from rollout.config.data import DataSection
 from rollout.config.environment import EnvironmentSection
+from rollout.config.evaluation import EvalSection
 from rollout.config.generation import GenerationSection
 from rollout.config.logging import LoggingSection
 from rollout.config.model import ModelSection
@@ -41,6 +42,11 @@ class RunConfig(ConfigModel):
         default=None,
         description="What the model talks to in multi-turn episodes (online algorithms). Without "
         "it, each prompt gets one answer, scored by [[rewards]].",
+    )
+    eval: EvalSection | None = Field(
+        default=None,
+        description="Eval suites scored during training (online algorithms), at step 0, every "
+        "run.eval_interval steps and at the last step. None: none.",
     )
     cluster: ClusterSection = Field(
         default_factory=ClusterSection, description="Nodes, processes, devices and role placement."

@@ -20,6 +20,7 @@ from rollout.config.algorithm import (
 from rollout.config.cluster import is_loopback, split_endpoint
 from rollout.config.data import FieldMap
 from rollout.config.environment import EnvironmentSection
+from rollout.config.evaluation import suite_issues
 from rollout.config.generation import GenerationSection
 from rollout.config.logging import TRACKER_OPTIONS
 from rollout.config.model import ALL_LINEAR, LORA_MODULE_NAME, MODEL_SOURCES, is_hub_id, is_revision
@@ -456,15 +457,52 @@ def data_has_fields_for_algorithm(config: RunConfig) -> Iterator[Issue]:
             )
 
 
-@rule("run", "data")
+@rule("run", "data", "eval")
 def eval_interval_needs_eval_data(config: RunConfig) -> Iterator[Issue]:
-    if config.run.eval_interval is not None and config.data.eval is None:
+    if config.run.eval_interval is not None and config.data.eval is None and config.eval is None:
         yield Issue(
             "run.eval_interval",
-            "evaluation is scheduled but there is no evaluation set",
+            "evaluation is scheduled but there is no evaluation set and no eval suite",
             value=config.run.eval_interval,
-            hint="add [data.eval] path = ... or remove run.eval_interval",
+            hint="add [data.eval] path = ... or [[eval.suites]], or remove run.eval_interval",
         )
+
+
+@rule("eval", "algorithm", "generation")
+def eval_suites_fit_the_run(config: RunConfig) -> Iterator[Issue]:
+    """[eval] suites sample with the trainer's engine: online kinds only; their own cross-field
+    rules as in an eval config (rollout.config.evaluation.suite_issues)."""
+    if config.eval is None:
+        return
+    if config.algorithm.kind not in ONLINE_KINDS:
+        yield Issue(
+            "eval",
+            f"eval suites run during training with the policy's sampling engine, and "
+            f"{config.algorithm.kind} trains without one (online algorithms only)",
+            hint="remove [eval], and score the run's checkpoints with `rollout eval "
+            "--checkpoint DIR --run RUN_ID`",
+        )
+        return
+    seen: dict[str, int] = {}
+    for index, suite in enumerate(config.eval.suites):
+        yield from suite_issues(suite, lambda key, i=index: f"eval.suites[{i}].{key}")
+        if suite.name in seen:
+            yield Issue(
+                f"eval.suites[{index}].name",
+                f"eval.suites[{seen[suite.name]}] is named {suite.name!r} too: their metrics "
+                f"(eval/{suite.name}/...) would mix",
+                value=suite.name,
+                hint="give every suite its own name",
+            )
+        seen.setdefault(suite.name, index)
+        if suite.scorer == "mmlu_loglik" and config.generation.engine != "hf":
+            yield Issue(
+                f"eval.suites[{index}].scorer",
+                f"mmlu_loglik reads log-probs from the model itself, which the "
+                f"{config.generation.engine} engine does not keep here",
+                value=suite.scorer,
+                hint="use scorer 'mmlu', or generation.engine = 'hf'",
+            )
 
 
 def read_fields(kind: str, mapping: FieldMap) -> tuple[str, ...]:

@@ -19,6 +19,11 @@ FinishReason = Literal["stop", "length", "eos"]
 """stop: a stop string was produced (and cut off); length: max_new_tokens reached; eos: the model
 ended the sequence itself."""
 
+DEFAULT_BATCH_SIZE = {"hf": 32, "vllm": 256}
+"""Completions decoded at once when neither a flag nor generation.max_batch_size says (rollout
+generate, rollout eval, eval suites in training). 32 is where the hf engine's tokens/s on a CPU
+stops growing much (benchmarks/README.md)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -34,18 +34,16 @@ from pydantic import ValidationError
 from rollout.config.generation import GenerationSection
 from rollout.config.secrets import check_no_inline_credentials
 from rollout.config.validate import translate_errors
+from rollout.engines.base import DEFAULT_BATCH_SIZE
 from rollout.errors import ConfigError, Issue, RolloutError
 from rollout.files import is_url
 from rollout.inference import remote_output
 from rollout.inference.model_choice import ModelChoice, choose_model
 from rollout.inference.output import OutputFile, finished_output, open_output, progress_path
-from rollout.inference.prompts import PromptFile, file_format, prompt_kind, read_prompts
+from rollout.models.prompts import encode_prompt, prompt_kind
 from rollout.planner.builder import cuda_graph_issues
+from rollout.planner.prompt_files import PromptFile, file_format, read_prompts
 from rollout.seeds import derive_seed
-
-DEFAULT_BATCH_SIZE = {"hf": 32, "vllm": 256}
-"""Completions decoded at once when neither --batch-size nor generation.max_batch_size says.
-32 is where the hf engine's tokens/s on a CPU stops growing much (benchmarks/README.md)."""
 
 OUTPUT_FIELDS = (
     "prompt_index",
@@ -576,29 +574,6 @@ def _encode_all(job: _Job, loaded: Any) -> list[list[int]]:
             listed.append(Issue("--prompts", f"... and {len(issues) - MAX_LISTED} more prompts"))
         raise RolloutError(listed)
     return encoded
-
-
-def encode_prompt(
-    loaded: Any, value: Any, use_template: bool, system_prompt: str | None
-) -> list[int]:
-    from rollout.models.loading import apply_chat_template
-
-    if prompt_kind(value) == "text":
-        if use_template:
-            return apply_chat_template(loaded.tokenizer, loaded.chat_template, value, system_prompt)
-        return list(loaded.tokenizer.encode(value, add_special_tokens=True))
-    messages = list(value)
-    if system_prompt is not None and messages[0].get("role") != "system":
-        messages.insert(0, {"role": "system", "content": system_prompt})
-    return list(
-        loaded.tokenizer.apply_chat_template(
-            messages,
-            chat_template=loaded.chat_template,
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-        )
-    )
 
 
 # --- engines -------------------------------------------------------------------------------------

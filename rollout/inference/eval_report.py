@@ -1,5 +1,5 @@
-"""What `rollout eval` found: each suite's results and summary, the JSON report (written whole
-or not at all), and the scores recorded in the run store as metrics of a run's checkpoint."""
+"""What `rollout eval` found: the JSON report of every suite's results (written whole or not at
+all), and the scores recorded in the run store as metrics of a run's checkpoint."""
 
 from __future__ import annotations
 
@@ -7,74 +7,14 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rollout.errors import Issue, RolloutError
-from rollout.harness.eval.metrics import RowResult, by_category, summarize
-from rollout.harness.eval.scorers import Score
-from rollout.inference.eval_suites import CheckedSuite
+from rollout.harness.eval.results import SuiteResult, metric_names
 from rollout.inference.model_choice import ModelChoice
 
 REPORT_FORMAT = 1
-
-
-@dataclass(frozen=True)
-class SuiteResult:
-    name: str
-    scorer: str
-    data: str
-    samples: int
-    ks: list[int]
-    settings: dict[str, Any]
-    summary: dict[str, float | None]
-    categories: dict[str, tuple[int, dict[str, float | None]]]
-    rows: list[dict[str, Any]] = field(repr=False)
-    plugin: dict[str, Any] | None = None
-
-
-def suite_result(
-    suite: CheckedSuite, completions: list[list[str]] | None, scored: list[list[Score]]
-) -> SuiteResult:
-    spec = suite.spec
-    rows = [
-        RowResult(
-            category=row.get("category"),
-            values=[score.value for score in scores],
-            correct=[score.correct for score in scores],
-            answers=[score.answer for score in scores] if suite.scorer.votes else None,
-        )
-        for row, scores in zip(suite.rows, scored, strict=True)
-    ]
-    records = []
-    for index, (row, scores) in enumerate(zip(suite.rows, scored, strict=True)):
-        record: dict[str, Any] = {"index": index, "category": row.get("category")}
-        if completions is not None:
-            record["completions"] = completions[index]
-        record["scores"] = [score.value for score in scores]
-        record["correct"] = [score.correct for score in scores]
-        record["answers"] = [score.answer for score in scores]
-        records.append(record)
-    settings: dict[str, Any] = {"samples": spec.samples, "limit": spec.limit}
-    if suite.scorer.generates:
-        settings |= {
-            "max_new_tokens": suite.max_new_tokens,
-            "temperature": suite.temperature,
-            "top_p": suite.top_p,
-        }
-    return SuiteResult(
-        name=spec.name,
-        scorer=spec.scorer,
-        data=suite.data,
-        samples=spec.samples,
-        ks=suite.ks,
-        settings=settings,
-        summary=summarize(rows, suite.ks),
-        categories=by_category(rows, suite.ks),
-        rows=records,
-        plugin=suite.plugin,
-    )
 
 
 def build_report(
@@ -163,23 +103,6 @@ def recording_step(run: str, store_location: str | None, choice: ModelChoice) ->
     finally:
         store.close()
     return int(choice.checkpoint.name.removeprefix("step-"))
-
-
-def metric_names(result: SuiteResult) -> dict[str, float]:
-    """A suite's scores as run-store metrics: eval/<suite>/<score> and, per category,
-    eval/<suite>/<category>/<score>; scores that were not measured (None) are left out."""
-    named = {
-        f"eval/{result.name}/{name}": value
-        for name, value in result.summary.items()
-        if value is not None
-    }
-    for category, (_, summary) in result.categories.items():
-        named |= {
-            f"eval/{result.name}/{category}/{name}": value
-            for name, value in summary.items()
-            if value is not None
-        }
-    return named
 
 
 def record_metrics(

@@ -1,29 +1,25 @@
-"""Which suites `rollout eval` runs, and their rows: from an eval config or from --suite and
---data, with the flags on top; each suite's scorer (built-in or plugin) resolved, its rows read
-and checked against it, its sampling settings resolved. Every problem in every suite is reported
-together, before any weights load."""
+"""Which suites `rollout eval` runs: from an eval config or from --suite and --data, with the
+flags on top, each problem reported where it was written (the flag or the config's field). The
+planner's checked_suites then reads and checks their rows, before any weights load."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from rollout.config.evaluation import SCORER_NAMES, EvalConfig, EvalSuite, suite_issues
-from rollout.config.generation import GenerationSection
 from rollout.config.load import read_config_file
 from rollout.config.validate import translate_errors
 from rollout.errors import ConfigError, Issue, RolloutError, did_you_mean
-from rollout.harness.eval.scorers import SCORERS, FunctionScorer, Scorer
-from rollout.inference.prompts import read_rows
+from rollout.harness.eval.scorers import SCORERS
+from rollout.planner.eval_suites import ChosenSuite
 
 if TYPE_CHECKING:
     from rollout.inference.evaluate import EvalOptions
-
-MAX_LISTED = 10
 
 # The suite field each flag overrides, and the flag to name when its value breaks a rule.
 _FLAGS = {
@@ -36,37 +32,6 @@ _FLAGS = {
 }
 _SAMPLING = {"samples", "k", "max_new_tokens", "temperature"}
 """The flags that change how a suite samples: a suite that samples nothing does not take them."""
-
-
-@dataclass(frozen=True)
-class ChosenSuite:
-    """A suite to run, with the flags applied, before its data is read."""
-
-    spec: EvalSuite
-    data_base: Path
-    """Where a relative data path starts: the config's directory, or the current one (--data)."""
-    plugin_base: Path
-    """Where a './file.py:function' scorer starts: the config's directory."""
-    where: Callable[[str], str]
-    """Where to report a problem with one of its fields: the flag that set it, or its config
-    path."""
-
-
-@dataclass(frozen=True)
-class CheckedSuite:
-    """A suite with everything checked and every setting resolved."""
-
-    spec: EvalSuite
-    scorer: Scorer
-    plugin: dict[str, Any] | None
-    """A plugin scorer's identity (its module or file, version or sha256), for the report."""
-    data: str
-    rows: list[dict[str, Any]]
-    places: list[str]
-    ks: list[int]
-    temperature: float
-    max_new_tokens: int
-    top_p: float
 
 
 def read_eval_config(path: Path) -> EvalConfig:
@@ -211,23 +176,6 @@ def _samples(spec: EvalSuite) -> bool:
     return builtin is None or builtin.generates  # a plugin scores completions
 
 
-def _scorer(ref: str, base_dir: Path, used_by: str) -> tuple[Scorer, dict[str, Any] | None]:
-    """A built-in scorer by name, or a plugin resolved as rewards are (module, file or entry
-    point in the group rollout.scorers), with its identity."""
-    if ref in SCORERS:
-        return SCORERS[ref], None
-    from rollout.plugins.resolve import resolve_plugin
-
-    resolved = resolve_plugin(
-        ref,
-        base_dir=base_dir,
-        used_by=used_by,
-        group="rollout.scorers",
-        builtins={name: scorer.score for name, scorer in SCORERS.items()},
-    )
-    return FunctionScorer(ref, resolved.fn), resolved.identity.model_dump(mode="json")
-
-
 def _given_flags(options: EvalOptions) -> dict[str, Any]:
     given = {
         "data": options.data,
@@ -257,78 +205,3 @@ def _with_flags(
 def _at(issue: Issue, where: Callable[[str], str]) -> Issue:
     """A suite field's issue, reported where that field was set (a flag or the config)."""
     return replace(issue, path=where(issue.path.split(".")[0].split("[")[0]))
-
-
-def checked_suites(
-    specs: list[ChosenSuite],
-    generation: GenerationSection,
-    options: EvalOptions,
-) -> list[CheckedSuite]:
-    """Each suite's rows read and checked against its scorer, and its sampling settings
-    resolved; every problem in every suite is reported together."""
-    issues: list[Issue] = []
-    suites = []
-    for chosen in specs:
-        spec, where = chosen.spec, chosen.where
-        try:
-            scorer, plugin = _scorer(spec.scorer, chosen.plugin_base, where("scorer"))
-        except RolloutError as error:
-            issues.extend(error.issues)
-            continue
-        temperature = first(spec.temperature, 0.0 if spec.samples == 1 else generation.temperature)
-        if scorer.generates and spec.samples > 1 and temperature == 0:
-            issues.append(
-                Issue(
-                    where("temperature")
-                    if spec.temperature is not None
-                    else "generation.temperature",
-                    f"{spec.samples} samples at temperature 0 are all the same completion",
-                    hint="sample at a temperature above 0 (e.g. 0.8), or take 1 sample",
-                )
-            )
-        try:
-            rows = read_rows(spec.data, where("data"), chosen.data_base, limit=spec.limit)
-        except RolloutError as error:
-            issues.extend(error.issues)
-            continue
-        issues.extend(
-            _row_issues(scorer, rows.records, rows.places or [], rows.location, where("data"))
-        )
-        suites.append(
-            CheckedSuite(
-                spec=spec,
-                scorer=scorer,
-                plugin=plugin,
-                data=rows.location,
-                rows=rows.records,
-                places=rows.places or [],
-                ks=sorted(set(spec.k)) if spec.k else sorted({1, spec.samples}),
-                temperature=temperature,
-                max_new_tokens=first(spec.max_new_tokens, generation.max_new_tokens),
-                top_p=first(spec.top_p, generation.top_p),
-            )
-        )
-    if issues:
-        raise RolloutError(issues)
-    return suites
-
-
-def _row_issues(
-    scorer: Scorer, rows: list[dict[str, Any]], places: list[str], location: str, option: str
-) -> list[Issue]:
-    issues = []
-    for row, place in zip(rows, places, strict=True):
-        for name, problem in scorer.problems(row):
-            issues.append(Issue(option, f"{place} of {location}: field {name!r} {problem}"))
-    if len(issues) > MAX_LISTED:
-        more = len(issues) - MAX_LISTED
-        issues = [
-            *issues[:MAX_LISTED],
-            Issue(option, f"... and {more} more problems in {location}"),
-        ]
-    return issues
-
-
-def first(*values: Any) -> Any:
-    """The first value that is not None (a flag, else the config's, else a default)."""
-    return next((value for value in values if value is not None), None)

@@ -7,7 +7,8 @@ load the model once, and per suite: encode the prompts, sample `samples` complet
 for log-likelihood scoring, score each choice), score them, and summarize (score, pass@k, maj@k;
 per category where rows name one). The report is plain JSON.
 
-Sampling is deterministic: chunk c of suite S is sampled with derive_seed(seed, "eval:S:c").
+Checking the suites is the planner's (rollout.planner.eval_suites), running and summarizing them
+the harness's (rollout.harness.eval.suites, results), as a training run's [[eval.suites]] are.
 """
 
 from __future__ import annotations
@@ -15,43 +16,33 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from rollout.config.generation import GenerationSection
+from rollout.engines.base import DEFAULT_BATCH_SIZE, SamplingParams
 from rollout.errors import Issue, RolloutError
-from rollout.harness.eval.scorers import Score, ScorerError
+from rollout.harness.eval.results import SuiteResult, suite_result
+from rollout.harness.eval.suites import CheckedSuite, Sampling, encode_suites, run_suite
 from rollout.inference.batch import (
-    DEFAULT_BATCH_SIZE,
     build_generation_engine,
     choose_dtype,
-    encode_prompt,
     generation_device,
     load_chosen_model,
-    prompts_per_chunk,
     use_chat_template,
 )
 from rollout.inference.eval_report import (
-    SuiteResult,
     build_report,
     check_report_path,
     record_metrics,
     recording_step,
-    suite_result,
     write_report,
 )
-from rollout.inference.eval_suites import (
-    MAX_LISTED,
-    CheckedSuite,
-    checked_suites,
-    chosen_suites,
-    first,
-    read_eval_config,
-)
+from rollout.inference.eval_suites import chosen_suites, read_eval_config
 from rollout.inference.model_choice import ModelChoice, choose_model
-from rollout.inference.prompts import prompt_kind
 from rollout.planner.builder import cuda_graph_issues
-from rollout.seeds import derive_seed
+from rollout.planner.eval_suites import checked_suites, first
 
 
 @dataclass(frozen=True)
@@ -126,7 +117,14 @@ def evaluate(options: EvalOptions, hooks: Hooks | None = None) -> EvalResult:
     load_on = "cpu" if job.generation.engine == "vllm" else job.device
     hooks.on_status(f"loading {job.choice.description} ({job.dtype}, {load_on})")
     loaded = load_chosen_model(job.choice, job.dtype, load_on)
-    prompt_ids = _encode_suites(job.suites, loaded, job.choice, job.templated)
+    prompt_ids = encode_suites(
+        job.suites,
+        loaded,
+        context=job.choice.facts.context_length,
+        description=job.choice.description,
+        templated=job.templated,
+        system_prompt=job.choice.system_prompt,
+    )
     engine = None
     if any(suite.scorer.generates for suite in job.suites):
         engine = build_generation_engine(
@@ -138,17 +136,18 @@ def evaluate(options: EvalOptions, hooks: Hooks | None = None) -> EvalResult:
             seed=job.seed,
             dtype=job.dtype,
         )
+    sampling = Sampling(
+        engine,
+        partial(SamplingParams, top_k=job.generation.top_k, stop=tuple(job.generation.stop)),
+        job.batch_size,
+        job.seed,
+    )
     results = []
     try:
         for suite, ids in zip(job.suites, prompt_ids, strict=True):
-            hooks.on_suite(suite.spec.name, len(suite.rows), suite.spec.samples)
-            if suite.scorer.generates:
-                completions = _sample(job, suite, ids, engine, hooks)
-                scored = _score_completions(suite, completions)
-            else:
-                completions = None
-                scored = _score_choices(suite, ids, loaded, hooks)
-            hooks.on_suite_done(suite.spec.name)
+            hooks.on_suite(suite.name, len(suite.rows), suite.samples)
+            completions, scored = run_suite(suite, ids, sampling, loaded, hooks.on_rows)
+            hooks.on_suite_done(suite.name)
             results.append(suite_result(suite, completions, scored))
     finally:
         if engine is not None:
@@ -188,7 +187,7 @@ def prepare(options: EvalOptions) -> _Job:
     )
     generation = config.generation if config is not None else choice.generation
     step = recording_step(options.run, options.store, choice) if options.run is not None else None
-    suites = checked_suites(specs, generation, options)
+    suites = checked_suites(specs, generation)
     if generation.engine == "vllm" and not all(suite.scorer.generates for suite in suites):
         raise RolloutError(
             Issue(
@@ -225,120 +224,3 @@ def prepare(options: EvalOptions) -> _Job:
         templated=use_chat_template(options.chat_template, choice),
         step=step,
     )
-
-
-# --- prompts, sampling, scoring ------------------------------------------------------------------
-
-
-def _encode_suites(
-    suites: list[CheckedSuite], loaded: Any, choice: ModelChoice, templated: bool
-) -> list[list[list[int]]]:
-    """Every suite's prompt ids; a prompt that (with its completion) does not fit the model's
-    context is an issue naming its row."""
-    context = choice.facts.context_length
-    issues: list[Issue] = []
-    encoded = []
-    for suite in suites:
-        ids_of_suite = []
-        for row, place in zip(suite.rows, suite.places, strict=True):
-            prompt = suite.scorer.prompt(row)
-            if prompt_kind(prompt) == "messages" and not templated:
-                issues.append(
-                    Issue(
-                        f"suite {suite.spec.name}",
-                        f"{place} of {suite.data} holds chat messages, which need the chat "
-                        f"template, and {choice.description} is used without one",
-                        hint="drop --no-chat-template, or give the prompt as text",
-                    )
-                )
-                ids_of_suite.append([])
-                continue
-            ids = encode_prompt(loaded, prompt, templated, choice.system_prompt)
-            ids_of_suite.append(ids)
-            longest = len(ids) + (
-                suite.max_new_tokens
-                if suite.scorer.generates
-                else max(len(_choice_ids(loaded, c)) for c in row["choices"])
-            )
-            if not ids or longest > context:
-                issues.append(
-                    Issue(
-                        f"suite {suite.spec.name}",
-                        f"{place} of {suite.data}: the prompt is {len(ids)} tokens and needs "
-                        f"{longest} with its completion, beyond the model's context of {context}",
-                        hint="shorten the prompt or lower max_new_tokens",
-                    )
-                )
-        encoded.append(ids_of_suite)
-    if issues:
-        raise RolloutError(issues[:MAX_LISTED])
-    return encoded
-
-
-def _sample(
-    job: _Job, suite: CheckedSuite, prompt_ids: list[list[int]], engine: Any, hooks: Hooks
-) -> list[list[str]]:
-    """`samples` completion texts per row, in row order."""
-    from rollout.engines.base import SamplingParams
-
-    n, generation = suite.spec.samples, job.generation
-    per_chunk = prompts_per_chunk(job.batch_size, n)
-    texts: list[list[str]] = [[] for _ in prompt_ids]
-    for begin in range(0, len(prompt_ids), per_chunk):
-        end = min(begin + per_chunk, len(prompt_ids))
-        params = SamplingParams(
-            max_new_tokens=suite.max_new_tokens,
-            temperature=suite.temperature,
-            top_p=suite.top_p,
-            top_k=generation.top_k,
-            stop=tuple(generation.stop),
-            n=n,
-            seed=derive_seed(job.seed, f"eval:{suite.spec.name}:{begin // per_chunk}"),
-        )
-        completions = engine.generate(prompt_ids[begin:end], params)
-        for completion in completions:  # grouped by prompt, n each
-            texts[begin + completion.prompt_index].append(completion.text)
-        hooks.on_rows(end, sum(len(c.token_ids) for c in completions))
-    return texts
-
-
-def _score_completions(suite: CheckedSuite, completions: list[list[str]]) -> list[list[Score]]:
-    scored = []
-    for row, place, texts in zip(suite.rows, suite.places, completions, strict=True):
-        try:
-            scored.append([suite.scorer.score(row, text) for text in texts])
-        except ScorerError as error:  # a plugin's failure; a built-in's would be rollout's bug
-            raise RolloutError(
-                Issue(
-                    f"suite {suite.spec.name}",
-                    f"the scorer {suite.scorer.name} {error} on {place} of {suite.data}",
-                    hint="fix the scorer; `rollout eval --limit N` reproduces it quickly",
-                )
-            ) from None
-    return scored
-
-
-def _score_choices(
-    suite: CheckedSuite, prompt_ids: list[list[int]], loaded: Any, hooks: Hooks
-) -> list[list[Score]]:
-    """Log-likelihood scoring: each row's choices in one forward pass, no sampling."""
-    from rollout.harness.eval.loglik import continuation_logprobs
-
-    scored = []
-    for number, (row, ids) in enumerate(zip(suite.rows, prompt_ids, strict=True), start=1):
-        continuations = [f" {choice}" for choice in row["choices"]]
-        sums = continuation_logprobs(
-            loaded.model,
-            ids,
-            [_choice_ids(loaded, text) for text in continuations],
-            loaded.pad_token_id,
-        )
-        # The scorer asks for one continuation at a time; all were computed in one pass above.
-        logprob = dict(zip(continuations, sums, strict=True))
-        scored.append([suite.scorer.score_choices(row, lambda _p, text, got=logprob: got[text])])
-        hooks.on_rows(number, 0)
-    return scored
-
-
-def _choice_ids(loaded: Any, text: str) -> list[int]:
-    return list(loaded.tokenizer.encode(text, add_special_tokens=False))

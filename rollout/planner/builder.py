@@ -40,6 +40,7 @@ from rollout.planner.definition import (
     Seeds,
     Versions,
 )
+from rollout.planner.eval_suites import inspect_suites
 from rollout.planner.hardware import probe_hardware
 from rollout.planner.inspect_data import inspect_data
 from rollout.planner.inspect_model import inspect_model
@@ -108,6 +109,7 @@ def build_plan(
     fields = _reward_fields(run_config, data)
     rewards = _resolve_rewards(run_config, base, fields, issues)
     environment = _resolve_environment(run_config, base, issues)
+    eval_suites = inspect_suites(run_config, base, issues)
     device = _resolve_device(run_config, hardware, issues)
     if model is not None:
         issues.extend(_context_issues(run_config, model))
@@ -160,6 +162,7 @@ def build_plan(
         tool_sandbox=tools.sandbox,
         model=model,
         data=data,
+        eval_suites=eval_suites,
         hardware=hardware,
         graph=graph,
         memory=memory,

@@ -84,6 +84,19 @@ class DataFacts(Frozen):
     fingerprint: str = Field(description="sha256 of the file's bytes.")
 
 
+class SuiteFacts(Frozen):
+    """An [[eval.suites]] entry's data and scorer, as planned: its rows were read and checked
+    against the scorer (what `rollout eval` checks before loading weights)."""
+
+    name: str
+    location: str
+    num_records: int = Field(description="Rows the suite scores (after its limit).")
+    fingerprint: str = Field(description="sha256 of the data file's bytes.")
+    scorer_plugin: PluginIdentity | None = Field(
+        default=None, description="A plugin scorer's identity; None for a built-in scorer."
+    )
+
+
 class GpuFacts(Frozen):
     index: int
     name: str
@@ -277,6 +290,9 @@ class Plan(Frozen):
     )
     model: ModelFacts
     data: list[DataFacts]
+    eval_suites: list[SuiteFacts] = Field(
+        default_factory=list, description="One record per config.eval.suites entry."
+    )
     hardware: HardwareFacts
     graph: Graph
     memory: list[MemoryEstimate]
@@ -308,4 +324,5 @@ class Plan(Frozen):
         """The identity of every plugin the run calls: what freshness checks and explain read."""
         rewards = [reward.plugin for reward in self.rewards]
         environment = [self.environment] if self.environment is not None else []
-        return rewards + environment + [tool.plugin for tool in self.tools]
+        scorers = [suite.scorer_plugin for suite in self.eval_suites if suite.scorer_plugin]
+        return rewards + environment + [tool.plugin for tool in self.tools] + scorers

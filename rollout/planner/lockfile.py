@@ -266,6 +266,7 @@ def stale_reasons(plan: Plan, *, version_of: VersionLookup = installed_version) 
     reasons += _version_changes(plan.versions, version_of)
     reasons += _model_changes(plan)
     reasons += _data_changes(plan)
+    reasons += _suite_changes(plan)
     reasons += _config_changes(plan)
     return reasons
 
@@ -319,6 +320,23 @@ def _data_changes(plan: Plan) -> list[Issue]:
         if now != facts.fingerprint:
             change = f"sha256 {short_hash(facts.fingerprint)} → {short_hash(now)}"
             issues.append(Issue(where, f"data file {local} changed since planning ({change})"))
+    return issues
+
+
+def _suite_changes(plan: Plan) -> list[Issue]:
+    """[[eval.suites]] data files, as _data_changes checks the run's data."""
+    issues = []
+    for index, facts in enumerate(plan.eval_suites):
+        if is_url(facts.location):
+            continue
+        local, where = Path(facts.location), f"eval.suites[{index}].data"
+        if not local.is_file():
+            issues.append(Issue(where, f"eval suite file {local} no longer exists"))
+        elif (now := sha256_file(local)) != facts.fingerprint:
+            change = f"sha256 {short_hash(facts.fingerprint)} → {short_hash(now)}"
+            issues.append(
+                Issue(where, f"eval suite file {local} changed since planning ({change})")
+            )
     return issues
 
 

@@ -88,6 +88,14 @@ def _placement(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
             hint="set data.eval = null for this run (evaluate its checkpoints afterwards), or "
             "remove [cluster.placement]",
         )
+    if config.eval is not None:
+        yield Issue(
+            "eval",
+            "eval suites run on colocated placements only in this version of rollout; with "
+            "actors and learners on separate processes they would be skipped",
+            hint="remove [eval] (score the checkpoints with `rollout eval --run`), or remove "
+            "[cluster.placement]",
+        )
 
 
 @check

@@ -219,6 +219,11 @@ lookup.schema = {
     "description": "Look a city up.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
 }
+
+
+def digest(row, completion):
+    """An eval scorer that tells completions apart (a random model answers no sum right)."""
+    return sum(map(ord, completion)) % 97 / 96
 '''
 
 TEMPLATE = (
@@ -237,6 +242,9 @@ def _prepare(workdir: Path) -> None:
     _write_jsonl(workdir / "online-eval.jsonl", ONLINE_RECORDS[16:])
     _write_jsonl(workdir / "offline-train.jsonl", OFFLINE_RECORDS[:8])
     _write_jsonl(workdir / "offline-eval.jsonl", OFFLINE_RECORDS[8:])
+    suite = [{**r, "category": "low" if i < 2 else "high"} for i, r in enumerate(ONLINE_RECORDS)]
+    _write_jsonl(workdir / "suite.jsonl", suite[:4])
+    _write_jsonl(workdir / "suite-b.jsonl", suite[4:8])
     (workdir / "audit_rewards.py").write_text(REWARD_PLUGINS, encoding="utf-8")
     llama = builtin_model_dir("tiny-llama")
     shutil.copytree(llama, workdir / "models" / "llama")
@@ -584,6 +592,15 @@ FSDP_MIXED = {
     "cluster.sharding": "fsdp",
     "cluster.fsdp_mixed_precision": {},
 }
+# An eval suite scored during training (data.eval stays: the suites are recorded beside it).
+SUITE = {
+    "eval.suites": [
+        {"name": "sums", "scorer": "./audit_rewards.py:digest", "data": "suite.jsonl"},
+    ]
+}
+SAMPLED_SUITE = {
+    "eval.suites": [{**SUITE["eval.suites"][0], "samples": 2, "temperature": 1.0}],
+}
 STOPS = {"generation.stop": ["e"]}
 """Completions of different lengths, for the loss aggregations to tell apart."""
 SLOW_REWARD = {
@@ -748,6 +765,52 @@ SECTION_CASES: dict[str, list[Case]] = {
     "run.eval_interval": [
         run_shows("grpo", {"run.eval_interval": 1}, steps_of("eval/")),
         run_shows("dpo", {"run.eval_interval": 1}, steps_of("eval/")),
+    ],
+    "eval.suites[].name": [
+        run_shows("grpo", {"eval.suites[0].name": "other"}, names_of("eval/"), base=SUITE)
+    ],
+    "eval.suites[].scorer": [
+        run_shows(
+            "grpo", {"eval.suites[0].scorer": "gsm8k"}, metric("eval/sums/score"), base=SUITE
+        ),
+        refused("grpo", {"eval.suites[0].scorer": "./audit_rewards.py:absent"}, base=SUITE),
+    ],
+    "eval.suites[].data": [
+        run_shows("grpo", {"eval.suites[0].data": "suite-b.jsonl"}, names_of("eval/"), base=SUITE),
+        refused(
+            "grpo",
+            {"eval.suites[0].data": "online-train.jsonl", "eval.suites[0].scorer": "mmlu"},
+            base=SUITE,
+        ),
+    ],
+    "eval.suites[].samples": [
+        run_shows(
+            "grpo",
+            {"eval.suites[0].samples": 2, "eval.suites[0].temperature": 1.0},
+            names_of("eval/sums/"),
+            base=SUITE,
+        )
+    ],
+    "eval.suites[].k": [
+        run_shows("grpo", {"eval.suites[0].k": [2]}, names_of("eval/sums/"), base=SAMPLED_SUITE)
+    ],
+    "eval.suites[].max_new_tokens": [
+        run_shows(
+            "grpo", {"eval.suites[0].max_new_tokens": 1}, metric("eval/sums/score"), base=SUITE
+        )
+    ],
+    "eval.suites[].temperature": [
+        run_shows(
+            "grpo", {"eval.suites[0].temperature": 1.5}, metric("eval/sums/score"), base=SUITE
+        )
+    ],
+    "eval.suites[].top_p": [
+        run_shows(
+            "grpo", {"eval.suites[0].top_p": 0.05}, metric("eval/sums/score"), base=SAMPLED_SUITE
+        )
+    ],
+    "eval.suites[].limit": [
+        run_shows("grpo", {"eval.suites[0].limit": 1}, names_of("eval/sums/"), base=SUITE)
     ],
     "model.path": [
         plan_shows(

@@ -45,9 +45,9 @@ from rollout.config.root import RunConfig
 from rollout.errors import ConfigError, LockfileError, PlanError, RolloutError
 from rollout.files import FileRefused
 from rollout.fingerprints import sha256_file
-from rollout.inference.prompts import read_prompts
 from rollout.planner import lockfile
 from rollout.planner.inspect_data import MAX_RECORD_DEPTH, inspect_data
+from rollout.planner.prompt_files import read_prompts
 from tests.conftest import BASE_CONFIG, REPO, TRAIN_RECORDS, write_toml
 
 pytestmark = pytest.mark.skipif(

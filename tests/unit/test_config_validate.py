@@ -589,3 +589,44 @@ def test_generation_settings_are_refused_for_an_offline_kind(base_config):
     assert set(issues) == {"generation.max_new_tokens", "generation.max_prompt_tokens"}
     del raw["generation"]
     validate_config(raw)
+
+
+def _suite(**fields: Any) -> dict[str, Any]:
+    return {"name": "sums", "scorer": "gsm8k", "data": "sums.jsonl", **fields}
+
+
+def test_eval_suites_take_the_rules_of_an_eval_config(base_config):
+    raw = with_changes(base_config, generation={"engine": "vllm"})
+    raw["eval"] = {
+        "suites": [
+            _suite(k=[4]),
+            _suite(scorer="mmlu_loglik", samples=2, temperature=0.5),
+        ]
+    }
+    issues = issues_of(raw)
+    assert "samples" in issues["eval.suites[0].k"].message
+    assert "samples must be 1" in issues["eval.suites[1].samples"].message
+    assert "mmlu_loglik" in issues["eval.suites[1].temperature"].message
+    assert "vllm engine" in issues["eval.suites[1].scorer"].message
+    assert "is named 'sums' too" in issues["eval.suites[1].name"].message
+
+
+def test_eval_suites_need_an_online_algorithm(base_config):
+    raw = copy.deepcopy(base_config)
+    raw["algorithm"] = {"kind": "sft"}
+    raw["data"]["fields"] = {"prompt": "prompt", "completion": "completion"}
+    for key in ("generation", "rewards"):
+        raw.pop(key, None)
+    raw["eval"] = {"suites": [_suite()]}
+    issues = issues_of(raw)
+    assert "online algorithms only" in issues["eval"].message
+    assert "rollout eval --checkpoint" in issues["eval"].hint
+
+
+def test_eval_interval_schedules_the_suites_without_eval_data(base_config):
+    raw = copy.deepcopy(base_config)
+    raw["data"].pop("eval", None)
+    raw.setdefault("run", {})["eval_interval"] = 2
+    assert "run.eval_interval" in issues_of(raw)
+    raw["eval"] = {"suites": [_suite()]}
+    assert validate_config(raw).eval.suites[0].name == "sums"

@@ -13,7 +13,7 @@ from rollout.errors import RolloutError
 from rollout.inference.batch import GenerateOptions, merged_generation, prompts_per_chunk
 from rollout.inference.model_choice import choose_model
 from rollout.inference.output import open_output, parts_path, progress_path
-from rollout.inference.prompts import read_prompts
+from rollout.planner.prompt_files import read_prompts
 
 
 def issues(error: pytest.ExceptionInfo[RolloutError]) -> dict[str, str]:

@@ -42,6 +42,7 @@ from rollout.runtime.online.actor import Actor, PromptFormat
 from rollout.runtime.online.algorithms import ALGORITHMS, OnlineAlgorithm
 from rollout.runtime.online.critic import Critic, value_model_for
 from rollout.runtime.online.episodes import EpisodeActor, EpisodeSettings, TurnFormat
+from rollout.runtime.online.eval_suites import SuiteEvaluator, build_suite_evaluator
 from rollout.runtime.online.evaluate import evaluate
 from rollout.runtime.online.learner import Learner, LearnerKnobs
 from rollout.runtime.online.prompts import load_data
@@ -68,6 +69,8 @@ class Roles:
     """PPO and REINFORCE++: scores the actor's batch per token before the learner sees it."""
     adapters: Adapters | None = None
     """With LoRA: the adapters the learner trains (the engine samples with them in place)."""
+    suites: SuiteEvaluator | None = None
+    """[[eval.suites]], scored with the engine when the held-out split is."""
 
     def sync_weights(self, version: int) -> None:
         """The learner's weights to the engine: the hf engine shares the learner's module (only
@@ -114,9 +117,9 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
     torch.manual_seed(plan.seeds.per_rank[ctx.rank])
     roles = _build_roles(ctx)
     stream, eval_rows = load_data(ctx)
-    # Every rank evaluates (a collective) when the run has an eval split, even a rank whose share
-    # of it is empty.
-    evaluates = plan.derived.evaluates
+    # Every rank evaluates (a collective) when the run has an eval split or eval suites, even a
+    # rank whose share of it is empty.
+    evaluates = plan.derived.evaluates or roles.suites is not None
     checkpoints = RunState(
         plan.derived.artifacts,
         roles.learner.model,
@@ -200,7 +203,11 @@ def _evaluate(
     step: int,
 ) -> None:
     """Each rank scores its shard of the eval prompts; the means are over all of them. With a
-    multi-turn environment, one greedy episode per prompt."""
+    multi-turn environment, one greedy episode per prompt. Then the eval suites, if any."""
+    if roles.suites is not None:
+        roles.suites.run(ctx, writer, step)
+    if not ctx.plan.derived.evaluates:
+        return
     environment = ctx.plan.config.environment
     if environment is not None and not environment.is_single_turn:
         assert isinstance(roles.actor, EpisodeActor)
@@ -241,6 +248,7 @@ def _build_roles(ctx: WorkerContext) -> Roles:
         prompt_format=prompt_format,
         token_advantages=_token_advantages(ctx.plan, kind, learner, reference),
         adapters=adapters,
+        suites=build_suite_evaluator(ctx, engine, loaded, model),
     )
 
 

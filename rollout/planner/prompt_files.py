@@ -1,4 +1,5 @@
-"""The prompt file of `rollout generate`: every record read and checked before anything loads.
+"""The prompt file of `rollout generate` and the data files of eval suites (read_rows): every
+record read and checked before anything loads.
 
 JSONL or Parquet (by extension), a local path or an fsspec URL, read with the planner's own
 scanners. Each record must hold the prompt field: text, or a list of chat messages
@@ -16,6 +17,7 @@ from urllib.parse import urlsplit
 from rollout.errors import Issue, RolloutError, did_you_mean
 from rollout.files import is_url, refusal
 from rollout.fingerprints import sha256_file
+from rollout.models.prompts import prompt_kind
 from rollout.planner import locations
 from rollout.planner.inspect_data import scan_jsonl, scan_parquet
 
@@ -157,21 +159,6 @@ class _Rows:
 
     def problem(self, message: str, hint: str | None = None) -> None:
         self.issues.append(Issue(self.option, message, hint=hint))
-
-
-def prompt_kind(value: Any) -> Literal["text", "messages"] | None:
-    """ "text" for a string, "messages" for a list of {"role": str, "content": str}, else None."""
-    if isinstance(value, str):
-        return "text"
-    if (
-        isinstance(value, list)
-        and value
-        and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in value
-        )
-    ):
-        return "messages"
-    return None
 
 
 class _Checker:
