@@ -142,6 +142,8 @@ def set_at(config: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[st
         if isinstance(target, dict):
             target = target.setdefault(part, [] if isinstance(after, int) else {})
         else:
+            if part == len(target):  # a list of tables, e.g. [[environment.tools]], with none yet
+                target.append([] if isinstance(after, int) else {})
             target = target[part]
     if isinstance(target, list) and path[-1] == len(target):
         target.append(value)
