@@ -250,10 +250,12 @@ class EnvironmentSection(TypedDict):
     """The environment: a built-in ('single_turn': one answer scored by [[rewards]], what runs
     without this section; 'tools': the model may call environment.tools before its final
     answer, which [[rewards]] score; 'guess_number': a multi-turn guessing game; 'gymnasium':
-    a Gymnasium environment with text observations), 'package.module:Class', './file.py:Class'
-    (relative to the config file), or an entry point in the 'rollout.environments' group. It
-    is called once as name(**options) and returns an object with reset(rows, seed=) and
-    step(episodes, actions) (see docs/environments.md).
+    a Gymnasium environment with text observations; 'agent': an agent program per episode,
+    talking to the policy over rollout's OpenAI endpoint, its final answer scored by
+    [[rewards]]), 'package.module:Class', './file.py:Class' (relative to the config file), or
+    an entry point in the 'rollout.environments' group. It is called once as name(**options)
+    and returns an object with reset(rows, seed=) and step(episodes, actions) (see
+    docs/environments.md).
 
     Default: 'single_turn'."""
     options: NotRequired[dict[str, Any]]

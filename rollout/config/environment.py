@@ -11,6 +11,7 @@ from rollout.config.rewards import PluginRef, check_options_are_finite
 
 SINGLE_TURN = "single_turn"
 TOOLS = "tools"
+AGENT = "agent"
 
 
 class ToolSpec(ConfigModel):
@@ -41,7 +42,8 @@ class EnvironmentSection(ConfigModel):
         "[[rewards]], what runs without this section; 'tools': the model may call "
         "environment.tools before its final answer, which [[rewards]] score; 'guess_number': "
         "a multi-turn guessing game; 'gymnasium': a Gymnasium environment with text "
-        "observations), "
+        "observations; 'agent': an agent program per episode, talking to the policy over "
+        "rollout's OpenAI endpoint, its final answer scored by [[rewards]]), "
         "'package.module:Class', './file.py:Class' (relative to the config file), or an entry "
         "point in the 'rollout.environments' group. It is called once as name(**options) and "
         "returns an object with reset(rows, seed=) and step(episodes, actions) (see "
@@ -115,6 +117,10 @@ class EnvironmentSection(ConfigModel):
     @property
     def is_tools(self) -> bool:
         return self.name == TOOLS
+
+    @property
+    def is_agent(self) -> bool:
+        return self.name == AGENT
 
 
 def episode_tokens(

@@ -604,9 +604,10 @@ def rewards_match_algorithm(config: RunConfig) -> Iterator[Issue]:
 
 
 def _environment_scores(config: RunConfig) -> bool:
-    """Whether the environment gives the rewards itself (not single_turn, not tools)."""
+    """Whether the environment gives the rewards itself (not single_turn, tools or agent, whose
+    answers [[rewards]] score)."""
     env = config.environment
-    return env is not None and not env.is_single_turn and not env.is_tools
+    return env is not None and not (env.is_single_turn or env.is_tools or env.is_agent)
 
 
 # --- environment ------------------------------------------------------------------------------
@@ -653,6 +654,9 @@ def environment_fits_the_run(config: RunConfig) -> Iterator[Issue]:
             hint="use algorithm.kind = 'grpo' or 'rloo'",
         )
     yield from _tool_settings_fit(env, config)
+    if env.is_agent:
+        yield from _agent_settings_fit(env, config)
+        return
     if config.rewards and not env.is_tools:
         yield Issue(
             "rewards",
@@ -675,6 +679,44 @@ def environment_fits_the_run(config: RunConfig) -> Iterator[Issue]:
             "cluster.placement",
             "multi-turn environments run with every role in each process (colocated) for now",
             hint="remove cluster.placement",
+        )
+
+
+def _agent_settings_fit(env: EnvironmentSection, config: RunConfig) -> Iterator[Issue]:
+    """The agent environment: programs talk to the server, so no environment message is
+    written into the context, an episode has one return, and its rows vary in number."""
+    if not config.rewards:
+        yield Issue(
+            "rewards",
+            "the agent environment scores each program's final answer with [[rewards]]: none "
+            "are configured",
+            hint='add [[rewards]] fn = "numeric_match" (or your own "module:function")',
+        )
+    default_budget = type(env).model_fields["max_observation_tokens"].default
+    # Compared with the default, not "was it written": a plan.lock holds every default written.
+    if env.max_observation_tokens != default_budget:
+        yield Issue(
+            "environment.max_observation_tokens",
+            "an agent program writes its own messages (their tokens are served, then trained on "
+            "as context): nothing is cut to this budget",
+            value=env.max_observation_tokens,
+            hint="remove max_observation_tokens",
+        )
+    if env.advantage == "turn":
+        yield Issue(
+            "environment.advantage",
+            "an agent episode has one return (its final answer's): every call shares it",
+            value="turn",
+            hint="remove advantage (it is 'episode')",
+        )
+    world = config.cluster.nnodes * config.cluster.nproc_per_node
+    if world > 1 or config.cluster.placement is not None:
+        yield Issue(
+            "environment.name",
+            f"agent episodes run in one process for now (this run has {world}): each episode's "
+            "calls make a varying number of rows, which several learners cannot split alike yet",
+            value=env.name,
+            hint="set cluster.nproc_per_node = 1, cluster.nnodes = 1, and no cluster.placement",
         )
 
 

@@ -35,6 +35,32 @@ _POLL_S = 0.05
 _WITHHELD = ("ROLLOUT_PG_DSN", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "OPENAI_API_KEY")
 
 
+AGENT = "agent"
+"""The built-in environment whose episodes are agent programs ([environment] name = "agent")."""
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """The agent environment's options, checked: `command` runs one episode (a list of
+    arguments, or one string split as a shell would, never run by one); `concurrency` episodes
+    run at once."""
+
+    command: Sequence[str] | str
+    concurrency: int = 16
+
+    def __post_init__(self) -> None:
+        if not argv_of(self.command) or not all(isinstance(a, str) for a in argv_of(self.command)):
+            raise ValueError("agent: command must be a non-empty string or list of strings")
+        if isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int):
+            raise TypeError(f"agent: concurrency must be an integer, got {self.concurrency!r}")
+        if not 1 <= self.concurrency <= 1024:
+            raise ValueError(f"agent: concurrency must be 1 to 1024, got {self.concurrency}")
+
+    @property
+    def argv(self) -> tuple[str, ...]:
+        return argv_of(self.command)
+
+
 @dataclass(frozen=True)
 class AgentOutcome:
     answer: str

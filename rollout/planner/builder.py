@@ -301,6 +301,7 @@ def _resolve_environment(
 ) -> PluginIdentity | None:
     """What [environment] names, imported once here; its options checked against its signature
     (and a built-in built with them, so a bad value fails now rather than at step 1)."""
+    from rollout.harness.agents import AGENT, AgentSpec
     from rollout.harness.environments import BUILTIN_ENVIRONMENTS, SINGLE_TURN
     from rollout.harness.environments.single_turn import SingleTurn
     from rollout.harness.environments.tools import TOOLS, ToolEnvironment
@@ -311,7 +312,12 @@ def _resolve_environment(
     spec = config.environment
     if spec is None or config.algorithm.kind not in ONLINE_KINDS:
         return None
-    builtins = {**BUILTIN_ENVIRONMENTS, SINGLE_TURN: SingleTurn, TOOLS: ToolEnvironment}
+    builtins = {
+        **BUILTIN_ENVIRONMENTS,
+        SINGLE_TURN: SingleTurn,
+        TOOLS: ToolEnvironment,
+        AGENT: AgentSpec,
+    }
     where = {"base_dir": base, "used_by": "environment.name", "builtins": builtins}
     probe = import_probe(spec.name, group="rollout.environments", **where)
     failed = probe_imports([probe] if probe is not None else [])
@@ -323,6 +329,9 @@ def _resolve_environment(
     )
     if resolved is None or spec.is_single_turn or spec.is_tools:
         return resolved.identity if resolved is not None else None
+    if spec.is_agent:
+        issues.extend(_agent_issues(spec.options, base))
+        return resolved.identity
     remembers = takes_memory(resolved.fn)
     if remembers and "memory" in spec.options:
         issues.append(
@@ -378,6 +387,35 @@ def _resolve_environment(
         if callable(close):
             close()
     return resolved.identity
+
+
+def _agent_issues(options: dict[str, Any], base: Path) -> list[Issue]:
+    """The agent environment's options, and whether its command can be found from here."""
+    from rollout.harness.agents import AgentSpec, missing_program
+
+    try:
+        agent = AgentSpec(**options)
+    except (TypeError, ValueError) as error:
+        return [
+            Issue(
+                "environment.options",
+                str(error),
+                value=options,
+                hint='e.g. options = { command = "python agent.py", concurrency = 16 }',
+            )
+        ]
+    missing = missing_program(agent.argv, base)
+    if missing is None:
+        return []
+    return [
+        Issue(
+            "environment.options.command",
+            f"cannot run the agent: {missing}",
+            value=agent.command,
+            hint="paths are relative to the config file's directory; `python` is the Python "
+            "running rollout",
+        )
+    ]
 
 
 def _plays(config: RunConfig) -> bool:
@@ -542,6 +580,8 @@ def _context_issues(config: RunConfig, model: ModelFacts) -> list[Issue]:
     limit = model.context_length
     if config.algorithm.kind in ONLINE_KINDS:
         gen, env = config.generation, config.environment
+        if env is not None and env.is_agent:
+            return []  # the served calls' lengths are the program's: the server checks each
         if env is not None and env.max_turns > 1:
             needed = episode_tokens(gen.max_prompt_tokens, gen.max_new_tokens, env)
             if needed <= limit:

@@ -128,6 +128,7 @@ class OpenAIServer:
         idle_timeout_s: float = IDLE_TIMEOUT_S,
         recorder: CompletionRecorder | None = None,
         episode_sampling: Callable[[SamplingParams], SamplingParams] | None = None,
+        episodes_any_model: bool = False,
     ):
         """Binds `address` (OSError if it cannot). `tls`: serve HTTPS with this server-side
         context (rollout.serve.loading.tls_context). `body_timeout_s`: how long a request body
@@ -136,12 +137,15 @@ class OpenAIServer:
         (`/episodes/{id}/v1/...`) and record there every completion served (recording.py);
         without one those routes are 404. `episode_sampling`: what an episode request samples
         with, given what it asked for (a training run overrides an agent's temperature with its
-        own, so the recorded log-probs are the ones its learner recomputes)."""
+        own, so the recorded log-probs are the ones its learner recomputes).
+        `episodes_any_model`: an episode request may name any model (an unmodified agent names
+        the one it was written for); the served model answers it."""
         self.model = model
         self.api_key = api_key
         self.body_timeout_s = body_timeout_s
         self.recorder = recorder
         self.episode_sampling = episode_sampling
+        self.episodes_any_model = episodes_any_model
         self.https = tls is not None
         host, port = address
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -317,6 +321,8 @@ class OpenAIServer:
         # ValueError: also an integer over 4300 digits; RecursionError: arrays nested too deep.
         except (ValueError, RecursionError) as error:
             raise ApiError(400, f"the body is not valid JSON: {str(error)[:200]}") from None
+        if episode is not None and self.episodes_any_model and isinstance(payload, dict):
+            payload["model"] = self.model.info.name
         request = parse_request(kind, payload, self.model.info)  # type: ignore[arg-type]
         record = self._recording(request, episode)
         woken = asyncio.Event()

@@ -128,3 +128,49 @@ def test_an_environment_with_memory_plans_in_one_process_only(config_file, base_
     raw["cluster"]["nproc_per_node"] = 1
     raw["environment"]["options"] = {"memory": 1}
     assert "passes itself" in plan_issues(config_file, raw)["environment.options.memory"].message
+
+
+def agent_config(base_config, **environment: Any) -> dict[str, Any]:
+    raw = copy.deepcopy(base_config)
+    raw["environment"] = {
+        "name": "agent",
+        "options": {"command": "python agent.py"},
+        "max_turns": 4,
+        **environment,
+    }
+    return raw
+
+
+@pytest.mark.parametrize(
+    ("change", "path", "says"),
+    [
+        ({"rewards": []}, "rewards", "final answer with [[rewards]]"),
+        ({"environment.advantage": "turn"}, "environment.advantage", "one return"),
+        ({"environment.max_observation_tokens": 32}, "environment.max_observation_tokens", "cut"),
+        ({"cluster.nproc_per_node": 2}, "environment.name", "one process"),
+    ],
+)
+def test_validate_refuses_what_agent_episodes_do_not_read(base_config, change, path, says):
+    raw = agent_config(base_config)
+    for dotted, value in change.items():
+        section, _, key = dotted.partition(".")
+        if key:
+            raw.setdefault(section, {})[key] = value
+        else:
+            raw[section] = value
+    found = issues_of(raw)
+    assert path in found and says in found[path].message, found
+
+
+def test_plan_checks_the_agents_options_and_command(config_file, base_config, tmp_path):
+    raw = agent_config(base_config)
+    found = plan_issues(config_file, raw)
+    assert "no script agent.py" in found["environment.options.command"].message
+    (tmp_path / "agent.py").write_text("print('4')\n")
+    plan = build_plan(config_file(raw))
+    assert plan.environment is not None and plan.environment.ref == "agent"
+    raw["environment"]["options"]["concurrency"] = 0
+    assert (
+        "concurrency must be 1 to 1024"
+        in plan_issues(config_file, raw)["environment.options"].message
+    )

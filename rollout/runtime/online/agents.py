@@ -150,6 +150,7 @@ class AgentActor:
             api_key=self._api_key,
             recorder=self.recorder,
             episode_sampling=self._sampling,
+            episodes_any_model=True,  # an unmodified agent names the model it was written for
         )
         self._thread = threading.Thread(
             target=self.server.serve_forever, name="agent-server", daemon=True

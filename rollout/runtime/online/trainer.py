@@ -26,6 +26,7 @@ from rollout.config.environment import episode_tokens
 from rollout.engines.base import Engine, SamplingParams
 from rollout.engines.build import build_engine
 from rollout.engines.hf.engine import HfEngine
+from rollout.harness.agents import AgentProgram, AgentSpec
 from rollout.harness.environments.runner import EnvironmentRunner
 from rollout.harness.environments.single_turn import SingleTurn
 from rollout.harness.memory import MEMORY_DIR, EpisodicMemory, takes_memory
@@ -39,6 +40,7 @@ from rollout.runtime.checkpoint import Extra, LoopFiles
 from rollout.runtime.components import build_optimizer, build_reward_functions, build_scheduler
 from rollout.runtime.context import WorkerContext
 from rollout.runtime.online.actor import Actor, PromptFormat
+from rollout.runtime.online.agents import AgentActor, AgentSettings
 from rollout.runtime.online.algorithms import ALGORITHMS, OnlineAlgorithm
 from rollout.runtime.online.critic import Critic, value_model_for
 from rollout.runtime.online.episodes import EpisodeActor, EpisodeSettings, TurnFormat
@@ -60,7 +62,7 @@ log = logging.getLogger("rollout.trainer")
 
 @dataclass
 class Roles:
-    actor: Actor | EpisodeActor
+    actor: Actor | EpisodeActor | AgentActor
     learner: Learner
     engine: Engine
     tokenizer: object
@@ -89,6 +91,12 @@ class Roles:
             return None
         return {MEMORY_DIR: memory.write if mode == "write" else memory.read}
 
+    def close(self) -> None:
+        """What the actor started (the agent harness's server) stops with the run."""
+        close = getattr(self.actor, "close", None)
+        if callable(close):
+            close()
+
     def at_step(self, step: int) -> None:
         """What the actor's environment writes to memory now carries `step`."""
         memory = getattr(self.actor, "memory", None)
@@ -107,15 +115,23 @@ def extras_of(learner: Learner) -> dict[str, Extra]:
 
 
 def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
-    plan, config = ctx.plan, ctx.plan.config
+    plan = ctx.plan
     if is_disaggregated(plan.graph):  # actors and learners on processes of their own
         from rollout.runtime.online.disaggregated import train_split
 
         train_split(ctx, writer)
         return
-    algo = config.algorithm
     torch.manual_seed(plan.seeds.per_rank[ctx.rank])
     roles = _build_roles(ctx)
+    try:
+        _train_roles(ctx, writer, roles)
+    finally:
+        roles.close()
+
+
+def _train_roles(ctx: WorkerContext, writer: BackgroundWriter, roles: Roles) -> None:
+    plan, config = ctx.plan, ctx.plan.config
+    algo = config.algorithm
     stream, eval_rows = load_data(ctx)
     # Every rank evaluates (a collective) when the run has an eval split or eval suites, even a
     # rank whose share of it is empty.
@@ -210,7 +226,7 @@ def _evaluate(
         return
     environment = ctx.plan.config.environment
     if environment is not None and not environment.is_single_turn:
-        assert isinstance(roles.actor, EpisodeActor)
+        assert isinstance(roles.actor, EpisodeActor | AgentActor)
         seed = derive_seed(ctx.plan.seeds.sampling, "eval")
         sums, count = roles.actor.evaluate(rows, seed=seed)
     else:
@@ -307,7 +323,7 @@ def build_actor(
     kind: OnlineAlgorithm,
     loaded: LoadedModel,
     guard: Callable[[str], Any] | None = None,
-) -> Actor | EpisodeActor:
+) -> Actor | EpisodeActor | AgentActor:
     """The actor `plan` describes, on `engine` (also what `rollout plan --probe` samples with);
     `guard` wraps each reward call (see _inside_reward)."""
     algo, gen = plan.config.algorithm, plan.config.generation
@@ -328,6 +344,9 @@ def build_actor(
 
     def score(prompts: list[str], completions: list[str], rows: list[Any]) -> list[float]:
         return rewards.score(prompts, completions, rows).total
+
+    if spec.is_agent:
+        return _agent_actor(plan, engine, prompt_format, rewards, advantage, params, loaded)
 
     if spec.is_single_turn:
         environment = SingleTurn(score, prompt_format.prompt_field)
@@ -370,6 +389,47 @@ def build_actor(
     )
     actor.memory = memory
     return actor
+
+
+def _agent_actor(
+    plan: Plan,
+    engine: Engine,
+    prompt_format: PromptFormat,
+    rewards: RewardRunner,
+    advantage: Callable[[torch.Tensor, int], torch.Tensor],
+    params: SamplingParams,
+    loaded: LoadedModel,
+) -> AgentActor:
+    """The agent environment: its programs served the policy from this process."""
+    spec = plan.config.environment
+    agent = AgentSpec(**spec.options)
+    return AgentActor(
+        rewards,
+        engine,
+        prompt_format,
+        AgentProgram(agent.argv, Path(plan.base_dir), spec.timeout_s),
+        advantage,
+        params,
+        AgentSettings(
+            concurrency=agent.concurrency,
+            max_calls=spec.max_turns,
+            failure_reward=spec.failure_reward,
+            stop_on_failure=spec.on_error == "stop",
+        ),
+        tokenizer=loaded.tokenizer,
+        chat_template=loaded.chat_template,
+        model_name=plan.run_id,
+    )
+
+
+def _minibatches(plan: Plan) -> int | None:
+    """Optimizer steps per epoch when a batch's rows vary in number (agent episodes: one row per
+    stretch of conversation); None where every batch has the planned size."""
+    env = plan.config.environment
+    if env is None or not env.is_agent:
+        return None
+    rows = plan.derived.prompts_per_rank * plan.config.algorithm.num_generations
+    return max(1, rows // plan.derived.minibatch_per_rank)
 
 
 def _answer_budget(config: Any) -> int:
@@ -420,6 +480,7 @@ def _build_learner(
             temperature=derived.logprob_temperature,
             max_new_tokens=_answer_budget(plan.config),
             autocast_dtype=autocast_dtype(derived.precision),
+            minibatches=_minibatches(plan),
         ),
         pad_token_id=pad_token_id,
         device=ctx.device,
@@ -466,6 +527,8 @@ def _build_engine(ctx: WorkerContext, loaded, model: torch.nn.Module) -> Engine:
     plan, gen = ctx.plan, ctx.plan.config.generation
     vllm = gen.engine == "vllm"
     context = episode_tokens(gen.max_prompt_tokens, gen.max_new_tokens, plan.config.environment)
+    if plan.config.environment is not None and plan.config.environment.is_agent:
+        context = plan.model.context_length  # an agent's conversation grows as it likes
     directory = None
     if vllm:
         # vLLM loads a model directory of its own: the policy as loaded (GGUF dequantized,
