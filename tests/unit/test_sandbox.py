@@ -18,7 +18,9 @@ from rollout.harness.sandbox import (
     probe_sandbox,
 )
 
-FAST = Limits(cpu_s=2, memory_bytes=256 * 2**20, processes=16, wall_s=5.0, output_bytes=4096)
+# wall_s leaves room for a loaded CI machine: starting a sandbox (namespaces, read-only
+# remounts) has taken seconds there; no test here waits on it unless it is what is tested.
+FAST = Limits(cpu_s=2, memory_bytes=256 * 2**20, processes=16, wall_s=20.0, output_bytes=4096)
 
 
 @pytest.fixture(scope="module")
