@@ -758,6 +758,14 @@ def _tool_settings_fit(env: EnvironmentSection, config: RunConfig) -> Iterator[I
             value=env.options,
             hint="remove environment.options (a tool's options go in its own table)",
         )
+    if env.max_turns < 2:
+        yield Issue(
+            "environment.max_turns",
+            "with one answer per episode a tool's result could never reach the model: the "
+            "tools environment needs a turn for the call and one for the final answer",
+            value=env.max_turns,
+            hint="set environment.max_turns = 3 (or more, for several calls)",
+        )
     if not config.rewards:
         yield Issue(
             "rewards",

@@ -53,6 +53,7 @@ def test_the_tools_environment_validates_with_rewards(base_config):
         ({"rewards": []}, "rewards", "scores the final answer with [[rewards]]"),
         ({"environment": {"tools": []}}, "environment.tools", "at least one tool"),
         ({"environment": {"options": {"x": 1}}}, "environment.options", "takes no options"),
+        ({"environment": {"max_turns": 1}}, "environment.max_turns", "could never reach"),
     ],
 )
 def test_validate_refuses_a_tools_environment_that_cannot_run(base_config, change, path, says):
