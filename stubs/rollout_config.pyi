@@ -1098,11 +1098,11 @@ class ReinforcePpConfig(TypedDict):
 class RewardSpec(TypedDict):
     fn: NotRequired[str | None]
     """The reward function: a built-in name ('numeric_match', 'exact_match', 'regex_match',
-    'length_penalty'), 'package.module:function', './file.py:function' (relative to the config
-    file), or an entry point in the 'rollout.rewards' group. It is called as fn(prompts,
-    completions, **fields, **options) and returns one float per completion; it receives the
-    dataset fields it names as parameters (all of them if it takes **kwargs). Set exactly one
-    of fn and model.
+    'length_penalty', 'code_tests'), 'package.module:function', './file.py:function' (relative
+    to the config file), or an entry point in the 'rollout.rewards' group. It is called as
+    fn(prompts, completions, **fields, **options) and returns one float per completion; it
+    receives the dataset fields it names as parameters (all of them if it takes **kwargs). Set
+    exactly one of fn and model.
 
     Default: None."""
     model: NotRequired[str | None]
@@ -1127,6 +1127,12 @@ class RewardSpec(TypedDict):
     """Longest one call may take; past it the step stops with an error naming the plugin.
 
     Range: > 0. Default: 30.0."""
+    allow_unsandboxed: NotRequired[bool]
+    """Let a reward that runs model-written code (code_tests, or a function with runs_model_code
+    = True) run although this host's sandbox lacks a capability (network isolation, ...): the
+    plan then warns instead of refusing, and plan.lock records it. Only with such a reward.
+
+    Default: False."""
 
 class RlooConfig(TypedDict):
     """RLOO: each completion is baselined on the mean reward of the others."""

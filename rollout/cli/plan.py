@@ -87,7 +87,11 @@ def plan(
         _render_probe(the_plan, report)
     from rollout.planner.tools import sandbox_warnings
 
-    for warning in sandbox_warnings(the_plan.tool_sandbox):
+    warnings = sandbox_warnings(the_plan.tool_sandbox)
+    for record in the_plan.rewards:
+        if record.kind == "function":
+            warnings += sandbox_warnings(record.sandbox, f"the reward {record.name!r}")
+    for warning in warnings:
         stdout.print(f"[bold yellow]warning[/]: {warning}")
     nnodes = the_plan.graph.nnodes
     if nnodes == 1:

@@ -57,7 +57,7 @@ class RewardSpec(ConfigModel):
     fn: PluginRef | None = Field(
         default=None,
         description="The reward function: a built-in name ('numeric_match', 'exact_match', "
-        "'regex_match', 'length_penalty'), 'package.module:function', './file.py:function' "
+        "'regex_match', 'length_penalty', 'code_tests'), 'package.module:function', './file.py:function' "
         "(relative to the config file), or an entry point in the 'rollout.rewards' group. It is "
         "called as fn(prompts, completions, **fields, **options) and returns one float per "
         "completion; it receives the dataset fields it names as parameters (all of them if it "
@@ -88,6 +88,14 @@ class RewardSpec(ConfigModel):
         gt=0,
         description="Longest one call may take; past it the step stops with an error naming the "
         "plugin.",
+    )
+
+    allow_unsandboxed: bool = Field(
+        default=False,
+        description="Let a reward that runs model-written code (code_tests, or a function with "
+        "runs_model_code = True) run although this host's sandbox lacks a capability (network "
+        "isolation, ...): the plan then warns instead of refusing, and plan.lock records it. "
+        "Only with such a reward.",
     )
 
     @property

@@ -776,7 +776,7 @@ def _tool_settings_fit(env: EnvironmentSection, config: RunConfig) -> Iterator[I
 
 
 @rule("rewards")
-def reward_models_take_no_options(config: RunConfig) -> Iterator[Issue]:
+def reward_models_take_no_function_settings(config: RunConfig) -> Iterator[Issue]:
     for i, spec in enumerate(config.rewards):
         if spec.model is not None and spec.fn is None and spec.options:
             yield Issue(
@@ -784,6 +784,13 @@ def reward_models_take_no_options(config: RunConfig) -> Iterator[Issue]:
                 "a reward model scores each (prompt, completion) as it is and takes no options",
                 value=spec.options,
                 hint=f"remove rewards[{i}].options",
+            )
+        if spec.model is not None and spec.fn is None and spec.allow_unsandboxed:
+            yield Issue(
+                f"rewards[{i}].allow_unsandboxed",
+                "a reward model runs no model-written code, sandboxed or not",
+                value=True,
+                hint=f"remove rewards[{i}].allow_unsandboxed",
             )
 
 

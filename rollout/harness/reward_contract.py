@@ -11,6 +11,12 @@ never broadcast, coerced or replaced, since a silently wrong reward trains the w
 
 The planner checks each function against this call before step 1 (check_reward_signature); the
 runner (reward_runner.py) makes exactly this call in the worker (call_keywords, checked_scores).
+
+A reward that executes model-written code declares it with the attribute ``runs_model_code =
+True`` (see ``runs_model_code``). The plan then tries this host's sandbox (refusing, unless
+``rewards[i].allow_unsandboxed``), and the worker passes its decision as the keyword
+``require_network_isolation`` (SANDBOX_KEYWORD), which such a reward must accept and its options
+may not set.
 """
 
 from __future__ import annotations
@@ -26,6 +32,14 @@ from typing import Any
 from rollout.errors import Issue, did_you_mean
 
 _QUOTE_CHARS = 60
+
+SANDBOX_KEYWORD = "require_network_isolation"
+"""What the worker passes a reward that runs model-written code: the plan's sandbox decision."""
+
+
+def runs_model_code(fn: Callable[..., Any]) -> bool:
+    """Whether a reward declares that it executes model-written code (``fn.runs_model_code``)."""
+    return getattr(fn, "runs_model_code", False) is True
 
 
 class RewardError(Exception):

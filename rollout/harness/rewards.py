@@ -18,6 +18,8 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
+from rollout.harness.code_tests import code_tests
+
 # A number as people and models write it (shared with the eval harness): optional minus (not a hyphen inside "3-5"), thousands
 # separators only in groups of three ("1,234" but not "12,34"), optional decimals.
 NUMBER = re.compile(
@@ -87,6 +89,7 @@ BUILTIN_REWARDS: dict[str, Callable[..., list[float]]] = {
     "exact_match": exact_match,
     "regex_match": regex_match,
     "length_penalty": length_penalty,
+    "code_tests": code_tests,
 }
 
 

@@ -56,6 +56,7 @@ from rollout.planner.memory import (
 )
 from rollout.planner.placement import build_graph, max_restarts
 from rollout.planner.reward_model import model_directory_of, resolve_reward_model
+from rollout.planner.reward_sandbox import reward_sandbox
 from rollout.planner.runnable import run_refusals
 from rollout.planner.store_check import store_issues
 from rollout.planner.tools import resolve_tools
@@ -241,7 +242,11 @@ def _resolve_rewards(
     config: RunConfig, base: Path, fields: dict[str, set[str]], issues: list[Issue]
 ) -> list[RewardRecord]:
     """One record per reward, each resolved here once: the worker calls what the records say."""
-    from rollout.harness.reward_contract import accepted_keywords, check_reward_signature
+    from rollout.harness.reward_contract import (
+        SANDBOX_KEYWORD,
+        accepted_keywords,
+        check_reward_signature,
+    )
     from rollout.harness.rewards import BUILTIN_REWARDS
     from rollout.plugins.probe import probe_imports
     from rollout.plugins.resolve import import_probe, resolve_plugin
@@ -277,13 +282,18 @@ def _resolve_rewards(
         )
         if resolved is None:
             continue
-        records.append(FunctionRewardRecord(**_reward_settings(spec, resolved.identity)))
+        sandbox = reward_sandbox(spec, i, resolved.fn, issues)
+        records.append(
+            FunctionRewardRecord(**_reward_settings(spec, resolved.identity), sandbox=sandbox)
+        )
         accepted = accepted_keywords(resolved.fn)
         readers = None if readers is None or accepted is None else readers | accepted
+        # The worker adds the sandbox decision to the options of a reward that runs code.
+        passed = spec.options if sandbox is None else {**spec.options, SANDBOX_KEYWORD: True}
         issues.extend(
             check_reward_signature(
                 resolved.fn,
-                options=spec.options,
+                options=passed,
                 fields=fields["train"],
                 eval_fields=fields.get("eval"),
                 used_by=used_by,

@@ -44,6 +44,24 @@ class Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class ToolSandbox(Frozen):
+    """How the run's code-running tools (or a code-running reward) are confined, as the plan's
+    sandbox probe found it."""
+
+    allow_unsandboxed: bool = Field(
+        description="environment.allow_unsandboxed (tools) or rewards[i].allow_unsandboxed (a "
+        "reward), as configured."
+    )
+    require_network_isolation: bool = Field(
+        description="Whether the code is refused on a host without network isolation "
+        "(False only with allow_unsandboxed on a host that lacks it)."
+    )
+    missing: list[str] = Field(
+        description="What this host's sandbox cannot enforce, and what it falls back to (one "
+        "line per capability); empty when everything works."
+    )
+
+
 class _Reward(Frozen):
     name: str = Field(description="Name in metrics: the config's name, else the function's.")
     weight: float = Field(description="Weight of this reward in the weighted sum.")
@@ -58,6 +76,11 @@ class FunctionRewardRecord(_Reward):
     """A reward function (`rewards[i].fn`): the worker imports what `plugin` names."""
 
     kind: Literal["function"] = "function"
+    sandbox: ToolSandbox | None = Field(
+        default=None,
+        description="The sandbox choice, when the function runs model-written code (it is "
+        "passed require_network_isolation from here); None when it runs none.",
+    )
 
 
 class ModelRewardRecord(_Reward):
@@ -231,20 +254,6 @@ class ToolRecord(Frozen):
         description="A function tool's OpenAI declaration (from the config or its `schema`)."
     )
     runs_code: bool = Field(description="Whether it executes model-written code.")
-
-
-class ToolSandbox(Frozen):
-    """How the run's code-running tools are confined, as the plan's sandbox probe found it."""
-
-    allow_unsandboxed: bool = Field(description="environment.allow_unsandboxed, as configured.")
-    require_network_isolation: bool = Field(
-        description="Whether a tool refuses to run code on a host without network isolation "
-        "(False only with allow_unsandboxed on a host that lacks it)."
-    )
-    missing: list[str] = Field(
-        description="What this host's sandbox cannot enforce, and what it falls back to (one "
-        "line per capability); empty when everything works."
-    )
 
 
 class Versions(Frozen):

@@ -8,7 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rollout.config.algorithm import ONLINE_KINDS, REFERENCE_KINDS
-from rollout.planner.definition import Plan
+from rollout.planner.definition import Plan, ToolSandbox
 from rollout.planner.memory import (
     BYTES_PER_PARAM,
     GenerationShape,
@@ -264,16 +264,17 @@ def _environment(plan: Plan) -> Group:
         for name in ("torch", "transformers", "vllm")
         if getattr(versions, name)
     ]
-    sandbox = plan.tool_sandbox
-    lines = []
-    if sandbox is not None:
-        state = (
-            "every capability works"
-            if not sandbox.missing
-            else "without: " + "; ".join(sandbox.missing)
-        )
-        optout = " (environment.allow_unsandboxed)" if sandbox.allow_unsandboxed else ""
-        lines.append(Text(f"sandbox   {state}{optout}"))
+    sandboxes = [("tools", "environment.allow_unsandboxed", plan.tool_sandbox)]
+    sandboxes += [
+        (f"reward {record.name!r}", f"rewards[{i}].allow_unsandboxed", record.sandbox)
+        for i, record in enumerate(plan.rewards)
+        if record.kind == "function"
+    ]
+    lines = [
+        Text(f"sandbox   {_sandbox_state(sandbox)} for {runner}{_opt_out(sandbox, setting)}")
+        for runner, setting, sandbox in sandboxes
+        if sandbox is not None
+    ]
     return Group(
         *lines,
         Text(f"hardware  {hw.cpu_count} CPU cores, {_gib(hw.memory_bytes)} RAM, GPUs: {gpus}"),
@@ -283,6 +284,18 @@ def _environment(plan: Plan) -> Group:
             f"{plan.seeds.sampling}"
         ),
     )
+
+
+def _sandbox_state(sandbox: ToolSandbox) -> str:
+    return (
+        "every capability works"
+        if not sandbox.missing
+        else "without: " + "; ".join(sandbox.missing)
+    )
+
+
+def _opt_out(sandbox: ToolSandbox, setting: str) -> str:
+    return f" ({setting})" if sandbox.allow_unsandboxed else ""
 
 
 def _gib(size: int) -> str:

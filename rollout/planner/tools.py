@@ -5,7 +5,8 @@ Each tool is imported once here and built with its options (a bad option, or a f
 without a valid declaration, fails now, naming environment.tools[i]). When a tool runs
 model-written code (python, shell), probe_sandbox() tries the sandbox on this host: a missing
 capability refuses the plan, naming it and its fallback, unless environment.allow_unsandboxed
-says to run with the fallback (then the plan warns, and plan.lock records the choice).
+says to run with the fallback (then the plan warns, and plan.lock records the choice). A reward
+that runs model-written code gets the same decision (planner/reward_sandbox.py).
 """
 
 from __future__ import annotations
@@ -173,16 +174,34 @@ def _sandbox(
                 )
             )
         return None
-    decision, issue = sandbox_decision(probe_sandbox(), running, spec.allow_unsandboxed)
+    decision, issue = sandbox_decision(
+        probe_sandbox(),
+        f"the tool(s) {', '.join(running)}",
+        spec.allow_unsandboxed,
+        where="environment.tools",
+        opt_out="environment.allow_unsandboxed",
+        instead="remove the tool",
+    )
     issues.extend([issue] if issue is not None else [])
     return decision
 
 
 def sandbox_decision(
-    report: SandboxReport, running: list[str], allow_unsandboxed: bool
+    report: SandboxReport,
+    runner: str,
+    allow_unsandboxed: bool,
+    *,
+    where: str,
+    opt_out: str,
+    instead: str,
 ) -> tuple[ToolSandbox, Issue | None]:
     """What the run does with this host's sandbox: the record for plan.lock, and the refusal
-    when a capability is missing and the config did not opt out."""
+    when a capability is missing and the config did not opt out.
+
+    runner: what runs the code ("the tool(s) python", "the reward 'code_tests'"); where: the
+    config path the refusal names; opt_out: the setting that accepts the fallbacks; instead:
+    the other way out ("remove the tool").
+    """
     missing = [c.line() for c in report.capabilities if not c.works]
     decision = ToolSandbox(
         allow_unsandboxed=allow_unsandboxed,
@@ -191,18 +210,18 @@ def sandbox_decision(
     )
     if not missing or allow_unsandboxed:
         return decision, None
-    tools = ", ".join(running)
     return decision, Issue(
-        "environment.tools",
-        f"the tool(s) {tools} run model-written code, but this host's sandbox cannot enforce "
+        where,
+        f"{runner} run model-written code, but this host's sandbox cannot enforce "
         "everything: " + "; ".join(missing),
-        hint="run where the sandbox works (docs/sandbox.md), remove the tool, or set "
-        "environment.allow_unsandboxed = true to run with the fallbacks named",
+        hint=f"run where the sandbox works (docs/sandbox.md), {instead}, or set "
+        f"{opt_out} = true to run with the fallbacks named",
     )
 
 
-def sandbox_warnings(tool_sandbox: ToolSandbox | None) -> list[str]:
-    """What `rollout plan` warns about a run that opted out of a full sandbox."""
+def sandbox_warnings(tool_sandbox: ToolSandbox | None, runner: str = "tools") -> list[str]:
+    """What `rollout plan` warns about code (tools, or a reward) that opted out of a full
+    sandbox."""
     if tool_sandbox is None or not tool_sandbox.missing:
         return []
-    return [f"running tools without a full sandbox: {line}" for line in tool_sandbox.missing]
+    return [f"running {runner} without a full sandbox: {line}" for line in tool_sandbox.missing]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -9,10 +10,17 @@ from typing import Any
 
 import torch
 
-from rollout.harness.reward_contract import RewardFunction, describe
-from rollout.planner.definition import ModelRewardRecord, Plan, RewardRecord
+from rollout.harness.reward_contract import SANDBOX_KEYWORD, RewardFunction, describe
+from rollout.planner.definition import (
+    FunctionRewardRecord,
+    ModelRewardRecord,
+    Plan,
+    RewardRecord,
+)
 from rollout.plugins.resolve import load_plugin
 from rollout.runtime.precision import MasterWeightAdamW
+
+log = logging.getLogger("rollout.rewards")
 
 
 def build_optimizer(
@@ -91,11 +99,25 @@ def build_reward_functions(plan: Plan) -> list[RewardFunction]:
             record.name,
             _reward_callable(record, plan.graph.device),
             record.weight,
-            record.options,
+            _reward_options(record),
             record.timeout_s,
         )
         for record in plan.rewards
     ]
+
+
+def _reward_options(record: RewardRecord) -> dict[str, Any]:
+    """The record's options, and for a reward that runs model-written code the plan's sandbox
+    decision (the planner refused it as an option)."""
+    if not isinstance(record, FunctionRewardRecord) or record.sandbox is None:
+        return record.options
+    for line in record.sandbox.missing:
+        log.warning(
+            "reward %r runs model code without a full sandbox (allow_unsandboxed): %s",
+            record.name,
+            line,
+        )
+    return {**record.options, SANDBOX_KEYWORD: record.sandbox.require_network_isolation}
 
 
 def _reward_callable(record: RewardRecord, device: str) -> Callable[..., Any]:

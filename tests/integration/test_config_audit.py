@@ -210,6 +210,14 @@ class Broken(Chars):
         raise RuntimeError("lost its board")
 
 
+def runs_code(prompts, completions, require_network_isolation=True, **_):
+    """Declares it runs model-written code, so the plan decides its sandbox."""
+    return [0.0 for _ in completions]
+
+
+runs_code.runs_model_code = True
+
+
 def lookup(city):
     return city.upper()
 
@@ -609,6 +617,7 @@ SLOW_REWARD = {
         {"fn": "./audit_rewards.py:slow", "weight": 0.0},
     ]
 }
+CODE_REWARD = {"rewards": [{"fn": "./audit_rewards.py:runs_code"}]}
 ANSWER_REWARD = {
     "data.fields.answer": "answer",
     "rewards": [
@@ -1075,6 +1084,17 @@ SECTION_CASES: dict[str, list[Case]] = {
             base=PYTHON_TOOL,
         ),
         refused("grpo", {"environment.allow_unsandboxed": True}, base=TOOLS),
+    ],
+    # This host's sandbox works, so the opt-out changes the record only; the refusal without
+    # it on a host that lacks a capability is tests/unit/test_reward_sandbox.py's.
+    "rewards[].allow_unsandboxed": [
+        plan_shows(
+            "grpo",
+            {"rewards[0].allow_unsandboxed": True},
+            lambda plan: plan.rewards[0].sandbox,
+            base=CODE_REWARD,
+        ),
+        refused("grpo", {"rewards[0].allow_unsandboxed": True}),
     ],
     "rewards[].timeout_s": [
         run_shows("grpo", {"rewards[1].timeout_s": 0.02}, timed_out, base=SLOW_REWARD, fails=True),

@@ -113,6 +113,7 @@ def test_length_penalty_rejects_non_positive_target():
 
 def test_registry_holds_every_builtin_under_its_own_name():
     assert sorted(BUILTIN_REWARDS) == [
+        "code_tests",
         "exact_match",
         "length_penalty",
         "numeric_match",
