@@ -29,7 +29,6 @@ MAX_PARALLEL_CALLS = 32
 STEP_MARGIN_S = 2.0
 """Time kept free at the end of a step (a sandboxed process's teardown, the step's bookkeeping):
 a tool call starts only when its limit ends this long before environment.timeout_s."""
-"""Episodes whose tool calls run at once; more wait for a free worker."""
 
 
 class ToolEnvironment:
