@@ -81,7 +81,9 @@ def probe(plan: Plan, completions: int, prompts: int = 4) -> ProbeReport:
         [row.record for row in rows], seed=derive_seed(plan.seeds.sampling, "probe")
     )
     batch = rollout.batch
-    train_s = _forward_backward_s(model, batch, loaded.pad_token_id, device)
+    train_s = _forward_backward_s(
+        model, batch, loaded.pad_token_id, device, plan.derived.micro_batch_size
+    )
 
     probed = len(batch)
     per_step = plan.derived.prompts_per_rank * config.algorithm.num_generations
@@ -115,24 +117,31 @@ def _first_rows(plan: Plan, prompts: int):
     return stream.take(min(prompts, len(records)))
 
 
-def _forward_backward_s(model: torch.nn.Module, batch, pad_token_id: int, device: str) -> float:
-    """Seconds for one forward and backward pass over the batch's sequences (the learner's
-    work per update epoch, less its optimizer step); the gradients are dropped after."""
-    padded = pad_for_learner(batch, pad_token_id, device)
+def _forward_backward_s(
+    model: torch.nn.Module, batch, pad_token_id: int, device: str, micro_batch_size: int
+) -> float:
+    """Seconds for one forward and backward pass over the batch's sequences, a micro batch at a
+    time as the learner goes (its memory bound: a whole batch's vocabulary logits at once can
+    take gigabytes), less its optimizer step; the gradients are dropped after."""
     model.train()
-    began = time.perf_counter()
-    logits = model(
-        input_ids=padded.input_ids,
-        attention_mask=padded.attention_mask,
-        position_ids=padded.position_ids,
-        logits_to_keep=padded.logits_to_keep,
-    ).logits[:, :-1]
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(-1, padded.targets.unsqueeze(-1)).squeeze(-1)
-    (chosen * padded.completion_mask).sum().backward()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    took = time.perf_counter() - began
+    took = 0.0
+    for start in range(0, len(batch), micro_batch_size):
+        micro = batch.select(list(range(start, min(len(batch), start + micro_batch_size))))
+        padded = pad_for_learner(micro, pad_token_id, device)
+        began = time.perf_counter()
+        logits = model(
+            input_ids=padded.input_ids,
+            attention_mask=padded.attention_mask,
+            position_ids=padded.position_ids,
+            logits_to_keep=padded.logits_to_keep,
+        ).logits[:, :-1]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logprobs.gather(-1, padded.targets.unsqueeze(-1)).squeeze(-1)
+        (chosen * padded.completion_mask).sum().backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        took += time.perf_counter() - began
+        del logits, logprobs, chosen
     model.zero_grad(set_to_none=True)
     return took
 
