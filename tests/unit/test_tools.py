@@ -185,7 +185,7 @@ needs_isolation = pytest.mark.skipif(
 
 @needs_isolation
 def test_python_runs_code_in_the_episode_directory(context):
-    tool = BUILTIN_TOOLS["python"](wall_s=20)  # room for a loaded machine
+    tool = BUILTIN_TOOLS["python"](wall_s=5)
     assert tool.runs_code
     assert tool.run({"code": "open('a.txt', 'w').write('hi')\nprint(6 * 7)"}, context) == "42"
     assert (context.workdir / "a.txt").read_text() == "hi"

@@ -22,6 +22,9 @@ from pathlib import Path
 LAUNCHER = Path(__file__).with_name("launcher.py")
 PIDS_CGROUP_ROOT = Path("/sys/fs/cgroup/pids")
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
+STRAGGLER_GRACE_S = 0.5
+"""How long the streams may stay open after the launcher ended before what holds them is
+killed."""
 
 
 class SandboxUnavailable(RuntimeError):
@@ -168,6 +171,7 @@ def _collect(
     buffers = {process.stdout: bytearray(), process.stderr: bytearray()}
     names = {process.stdout: "stdout", process.stderr: "stderr"}
     deadline = started + limits.wall_s
+    exited_at: float | None = None
     with selectors.DefaultSelector() as selector:
         for stream in buffers:
             selector.register(stream, selectors.EVENT_READ)
@@ -201,8 +205,16 @@ def _collect(
                         ),
                     )
             if _exited(process) and selector.get_map():
-                # the launcher is gone but a straggler holds a stream (no pid namespace)
-                _kill_group(process)
+                # The launcher is gone: the streams' last bytes and their ends come a moment
+                # later (this loop may see the exit first). A straggler still holding a stream
+                # after that (no pid namespace) is killed, and reading stops: killing closes
+                # the streams, which a selector would then wait on until the deadline.
+                exited_at = exited_at if exited_at is not None else time.monotonic()
+                if time.monotonic() - exited_at > STRAGGLER_GRACE_S:
+                    for key in list(selector.get_map().values()):
+                        selector.unregister(key.fileobj)
+                    _kill_group(process)
+                    break
     return bytes(buffers[process.stdout]), bytes(buffers[process.stderr]), None
 
 
@@ -216,8 +228,9 @@ def _exited(process: subprocess.Popen) -> bool:
 
 
 def _kill_group(process: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
+    if process.returncode is None:  # once reaped, its group id may belong to someone else
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     for stream in (process.stdout, process.stderr):
         if stream is not None:
