@@ -163,10 +163,12 @@ class AgentActor:
         group = self.params.n
         started = time.perf_counter()
         episodes = self._play([dict(row) for row in rows for _ in range(group)])
+        scoring = time.perf_counter()
         returns = self._returns(episodes)
         advantages = self.advantage(returns, group).float()
         batch = self._batch(episodes, returns, advantages, group)
-        metrics = self._metrics(episodes, returns, time.perf_counter() - started)
+        metrics = self._metrics(episodes, returns, scoring - started)
+        metrics["perf/score_s"] = time.perf_counter() - scoring
         return Rollout(batch=batch, metrics=metrics)
 
     def evaluate(self, rows: Sequence[Row], *, seed: int) -> tuple[dict[str, float], int]:
@@ -296,6 +298,5 @@ class AgentActor:
             "episode/failed_fraction": sum(e.failure is not None for e in episodes) / count,
             "episode/agent_s_mean": sum(e.outcome.seconds for e in episodes if e.outcome) / count,
             "perf/generated_tokens": float(generated),
-            "perf/generate_s": seconds,
-            "perf/score_s": 0.0,
+            "perf/generate_s": seconds,  # the episodes: the programs and what they were served
         }

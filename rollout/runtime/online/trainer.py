@@ -83,13 +83,13 @@ class Roles:
     def extras(self) -> dict[str, Extra]:
         return extras_of(self.learner)
 
-    def memory_files(self, mode: str) -> LoopFiles | None:
-        """The agents' episodic memory as a checkpoint directory (`mode` "write" when saving,
-        "read" when resuming); None when the environment keeps none."""
+    def memory_files(self, *, saving: bool) -> LoopFiles | None:
+        """The agents' episodic memory as a checkpoint directory: written when `saving`, read
+        when resuming; None when the environment keeps none."""
         memory = getattr(self.actor, "memory", None)
         if memory is None:
             return None
-        return {MEMORY_DIR: memory.write if mode == "write" else memory.read}
+        return {MEMORY_DIR: memory.write if saving else memory.read}
 
     def close(self) -> None:
         """What the actor started (the agent harness's server) stops with the run."""
@@ -147,7 +147,7 @@ def _train_roles(ctx: WorkerContext, writer: BackgroundWriter, roles: Roles) -> 
         roles.adapters,
     )
     start = 0
-    resumed = checkpoints.resume(ctx, roles.memory_files("read"))
+    resumed = checkpoints.resume(ctx, roles.memory_files(saving=False))
     if resumed is not None:
         start = resumed["step"]
         roles.sync_weights(resumed["policy_version"])
@@ -163,7 +163,7 @@ def _train_roles(ctx: WorkerContext, writer: BackgroundWriter, roles: Roles) -> 
                 writer,
                 step - 1,
                 {"policy_version": roles.engine.policy_version},
-                roles.memory_files("write"),
+                roles.memory_files(saving=True),
             )
             return
         started = time.perf_counter()
@@ -207,7 +207,7 @@ def _train_roles(ctx: WorkerContext, writer: BackgroundWriter, roles: Roles) -> 
                 writer,
                 step,
                 {"policy_version": roles.engine.policy_version},
-                roles.memory_files("write"),
+                roles.memory_files(saving=True),
             )
 
 
