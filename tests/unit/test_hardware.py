@@ -15,7 +15,7 @@ MIB = 1 << 20
 # The probe reads platform.platform(), whose first call runs `uname -p` through subprocess.run:
 # cache it now, or a test that patches subprocess.run (the one module object) breaks it when it
 # happens to run first in the process.
-platform.uname()
+platform.platform(terse=True)
 
 
 def test_parse_nvidia_smi():
