@@ -178,7 +178,13 @@ def receive_step(
     rollout metrics pooled over every chunk, and the actors' queue metrics."""
     results = None
     if ctx.rank == groups.source:
-        results = step_queue(ctx, step, start).collect(COLLECT_TIMEOUT_S)
+        # The step stays unreleased until the next one is collected: an actor whose completion
+        # raced this collect (read here, but the actor not yet past its own check) must not find
+        # the step released, or it would take its completion for a late duplicate and never send
+        # the rows this learner is about to wait for. By the next collect every learner has
+        # taken this step's rows, so a completion that finds it released then is a duplicate.
+        results = step_queue(ctx, step, start).collect(COLLECT_TIMEOUT_S, release=False)
+        step_queue(ctx, step - 1, start).release()
     if len(groups.learners) > 1:  # the other learners take the first one's (collective)
         results = transport.gather_state(results)[0]
     assert results is not None
