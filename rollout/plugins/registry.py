@@ -38,9 +38,9 @@ class PluginKind:
     name: str
     group: str | None
     """The entry-point group installed plugins of this kind are found in; None: built-ins only."""
-    builtins: str
-    """'module:attr' of the built-ins: a mapping name -> object, a collection of names, or a
-    function of no arguments returning either."""
+    builtins: str | tuple[str, ...]
+    """'module:attr' of the built-ins (or several, merged): a mapping name -> object, a
+    collection of names, or a function of no arguments returning either."""
     protocol: str
     """'module:attr' of the Protocol a plugin of this kind satisfies."""
     configured_by: str
@@ -50,12 +50,14 @@ class PluginKind:
 
     def load_builtins(self) -> Mapping[str, Any]:
         """The built-ins by name (for a kind that only names them, each maps to None)."""
-        found = _load(self.builtins)
-        if callable(found) and not isinstance(found, Mapping):
-            found = found()
-        if isinstance(found, Mapping):
-            return found
-        return dict.fromkeys(found)
+        sources = (self.builtins,) if isinstance(self.builtins, str) else self.builtins
+        merged: dict[str, Any] = {}
+        for source in sources:
+            found = _load(source)
+            if callable(found) and not isinstance(found, Mapping):
+                found = found()
+            merged.update(found if isinstance(found, Mapping) else dict.fromkeys(found))
+        return merged
 
     def load_protocol(self) -> type:
         return _load(self.protocol)
@@ -110,7 +112,8 @@ KINDS: dict[str, PluginKind] = {
         PluginKind(
             "tracker",
             None,
-            "rollout.plugins.registry:_tracker_names",
+            # The console tracker is the host's (drawn from the run store), the rest the workers'.
+            ("rollout.runtime.trackers:HOST_TRACKERS", "rollout.runtime.trackers:TRACKERS"),
             "rollout.runtime.trackers:Tracker",
             "[logging] trackers",
             untestable="a tracker records a run's metrics: try it with a short `rollout run` "
@@ -164,13 +167,6 @@ def available(kinds: Iterable[str] | None = None) -> list[Available]:
                 )
             )
     return found
-
-
-def _tracker_names() -> list[str]:
-    # The console tracker is the host's (drawn from the run store), the rest the workers'.
-    from rollout.runtime.trackers import HOST_TRACKERS, TRACKERS
-
-    return [*HOST_TRACKERS, *TRACKERS]
 
 
 def _target(obj: Any, name: str) -> str:
