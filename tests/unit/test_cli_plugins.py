@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from rollout.cli.app import app
 from rollout.plugins.registry import KINDS
-from tests.conftest import REPO
+from tests.conftest import EXAMPLES, REPO
 
 try:
     import tomllib
@@ -124,6 +124,24 @@ def test_a_builtin_reward_is_run_on_the_sample(tmp_path):
     assert call["result"] == [1.0, 0.0]
     assert call["items"] == 2 and call["seconds"] >= 0
     assert report["identity"]["kind"] == "builtin"
+
+
+def test_the_readme_example_scores_the_example_reward():
+    sample = EXAMPLES / "rewards.sample.jsonl"
+    report = trial(
+        "./rewards.py:brevity", "--kind", "reward", "--sample", sample,
+        "--config-dir", EXAMPLES,
+    )  # fmt: skip
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from rewards import brevity
+    finally:
+        sys.path.remove(str(EXAMPLES))
+        sys.modules.pop("rewards", None)
+    rows = [json.loads(line) for line in sample.read_text().splitlines()]
+    expected = brevity([r["prompt"] for r in rows], [r["completion"] for r in rows])
+    assert report["calls"][0]["result"] == expected
+    assert len(set(expected)) > 1  # the sample tells a short answer from a long one
 
 
 def test_a_file_reward_gets_its_fields_and_options_and_the_text_shows_timings(tmp_path):
