@@ -28,10 +28,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollout.config.plain import deeper_than
 from rollout.errors import Issue, PlanError, RolloutError
 from rollout.files import FileRefused, read_capped
+from rollout.planner.inspect_data import MAX_RECORD_DEPTH
 from rollout.plugins.probe import probe_imports
-from rollout.plugins.registry import KINDS, PluginKind
+from rollout.plugins.registry import KINDS, SCORER_GROUP, PluginKind
 from rollout.plugins.resolve import ResolvedPlugin, import_probe, resolve_plugin
 
 SAMPLE_LIMIT = 16 * 2**20
@@ -138,6 +140,8 @@ def read_sample(path: Path) -> Sample:
         raise _sample_error(path, str(refused)) from None
     except UnicodeDecodeError as error:
         raise _sample_error(path, f"is not UTF-8 text: {error.reason}") from None
+    except OSError as error:
+        raise _sample_error(path, f"cannot be read: {error.strerror or error}") from None
     if path.suffix == ".jsonl":
         items, lines = [], []
         for number, line in enumerate(text.splitlines(), start=1):
@@ -158,13 +162,25 @@ def read_sample(path: Path) -> Sample:
 
 def _parse(text: str, where: str) -> Any:
     try:
-        return json.loads(text)
+        value = json.loads(text)
+        # Counting brackets (in C) first keeps the walk off every ordinary item.
+        if text.count("[") + text.count("{") > MAX_RECORD_DEPTH and deeper_than(
+            value, MAX_RECORD_DEPTH
+        ):
+            raise RecursionError
     except json.JSONDecodeError as error:
         raise _sample_error(
             where,
             f"is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}",
             hint="a .json file holds a list of objects (or one); a .jsonl file one object a line",
         ) from None
+    except RecursionError:
+        raise _sample_error(
+            where, f"nests arrays or objects more than {MAX_RECORD_DEPTH} levels deep"
+        ) from None
+    except ValueError:  # CPython's limit on integer digits (about 4300)
+        raise _sample_error(where, "holds a number too long") from None
+    return value
 
 
 def _sample_error(where: Path | str, message: str, hint: str | None = None) -> RolloutError:
@@ -340,7 +356,7 @@ def _environment(job: _Job) -> Trial:
             seconds = time.perf_counter() - start
             shown = {}
             for episode, result in zip(episodes, results, strict=True):
-                done[episode] = bool(getattr(result, "done", True))
+                done[episode] = result.done
                 shown[episode] = asdict(result)
             calls.append(
                 Call(f"step {turn + 1} ({len(episodes)} episodes)", len(episodes), seconds, shown)
@@ -459,7 +475,7 @@ def _scorer(job: _Job) -> Trial:
             ref,
             base_dir=job.base_dir,
             used_by=used_by,
-            group=plugin_kind.group or "",
+            group=SCORER_GROUP,
             builtins=builtins,
         )
     )

@@ -208,6 +208,8 @@ def test_a_reward_whose_required_field_is_not_in_the_sample_is_refused(tmp_path)
         ('{"prompt": "p"}\n', "s.jsonl:1: 'completion' is missing"),
         ("[1, 2]\n", "is int, not a JSON object"),
         ("", "has no items"),
+        ('{"prompt": ' + "[" * 5000 + "]" * 5000 + "}\n", "s.jsonl:1: nests arrays or objects"),
+        ('{"prompt": ' + "9" * 5000 + "}\n", "s.jsonl:1: holds a number too long"),
     ],
 )
 def test_a_malformed_sample_names_the_line(tmp_path, content, expected):
