@@ -31,7 +31,6 @@ from typing import Any
 from rollout.config.plain import deeper_than
 from rollout.errors import Issue, PlanError, RolloutError
 from rollout.files import FileRefused, read_capped
-from rollout.planner.inspect_data import MAX_RECORD_DEPTH
 from rollout.plugins.probe import probe_imports
 from rollout.plugins.registry import KINDS, SCORER_GROUP, PluginKind
 from rollout.plugins.resolve import ResolvedPlugin, import_probe, resolve_plugin
@@ -161,6 +160,9 @@ def read_sample(path: Path) -> Sample:
 
 
 def _parse(text: str, where: str) -> Any:
+    # The data reader's limit (its module costs a command's start-up: imported here).
+    from rollout.planner.inspect_data import MAX_RECORD_DEPTH
+
     try:
         value = json.loads(text)
         # Counting brackets (in C) first keeps the walk off every ordinary item.
@@ -235,8 +237,6 @@ _REWARD_FORMAT = 'each item is {"prompt": "...", "completion": "...", <dataset f
 
 
 def _reward(job: _Job) -> Trial:
-    ref, sample, options, timeout_s = job.ref, job.sample, job.options, job.timeout_s
-    plugin_kind = job.kind
     from rollout.harness.reward_contract import (
         SANDBOX_KEYWORD,
         RewardError,
@@ -246,6 +246,8 @@ def _reward(job: _Job) -> Trial:
     )
     from rollout.harness.reward_runner import RewardRunner
 
+    ref, sample, options, timeout_s = job.ref, job.sample, job.options, job.timeout_s
+    plugin_kind = job.kind
     _texts(sample, ("prompt", "completion"), _REWARD_FORMAT)
     records = [{k: v for k, v in item.items() if k != "completion"} for item in sample.items]
     fields = set(records[0])
@@ -286,8 +288,6 @@ _ENVIRONMENT_FORMAT = 'each item is {"row": {...}, "actions": ["answer 1", "answ
 
 
 def _environment(job: _Job) -> Trial:
-    ref, sample, options, timeout_s = job.ref, job.sample, job.options, job.timeout_s
-    plugin_kind = job.kind
     from rollout.harness.agents import AGENT
     from rollout.harness.deadline import Overran, Raised
     from rollout.harness.environments import SINGLE_TURN
@@ -295,6 +295,8 @@ def _environment(job: _Job) -> Trial:
     from rollout.harness.environments.tools import TOOLS
     from rollout.harness.memory import takes_memory
 
+    ref, sample, options, timeout_s = job.ref, job.sample, job.options, job.timeout_s
+    plugin_kind = job.kind
     if ref in (SINGLE_TURN, TOOLS, AGENT):
         raise RolloutError(
             Issue(
@@ -380,13 +382,14 @@ def _close(runner: Any) -> None:
 
 
 def _tool(job: _Job) -> Trial:
-    ref, sample, options, timeout_s = job.ref, job.sample, job.options, job.timeout_s
-    plugin_kind = job.kind
     import jsonschema
 
     from rollout.harness.deadline import Overran, Raised, call_with_deadline
     from rollout.harness.sandbox import Refused
     from rollout.harness.tools import ToolContext, ToolError, plugin_tool
+
+    ref, sample, options, timeout_s = job.ref, job.sample, job.options, job.timeout_s
+    plugin_kind = job.kind
 
     resolved = _resolve(ref, plugin_kind, job.base_dir)
     builtin = resolved.identity.kind == "builtin"
@@ -459,12 +462,12 @@ _SCORER_FORMAT = 'each item is a data row with its "completion": {"prompt": "...
 
 
 def _scorer(job: _Job) -> Trial:
-    ref, sample, options, timeout_s = job.ref, job.sample, job.options, job.timeout_s
-    plugin_kind = job.kind
     from rollout.harness.deadline import Overran, Raised
     from rollout.harness.eval.scorers import SCORERS
     from rollout.planner.eval_suites import resolve_scorer
 
+    ref, sample, options, timeout_s = job.ref, job.sample, job.options, job.timeout_s
+    plugin_kind = job.kind
     if options:
         raise RolloutError(Issue("--options", "a scorer takes no options", value=options))
     _texts(sample, ("completion",), _SCORER_FORMAT)
