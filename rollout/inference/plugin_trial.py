@@ -340,6 +340,19 @@ def _environment(job: _Job) -> Trial:
         ) from None
     except Raised as raised:
         raise _failed(ref, "building it with its options", raised.error, options) from None
+    protocol = plugin_kind.load_protocol()
+    if not isinstance(environment, protocol):  # Environment is runtime_checkable
+        raise RolloutError(
+            Issue(
+                _used_by(plugin_kind),
+                f"calling it with its options returned {type(environment).__name__}, which has "
+                f"no reset and step methods (the {protocol.__module__}.{protocol.__name__} "
+                "Protocol)",
+                value=ref,
+                hint="reference a class (or factory) whose instances have reset(rows, *, seed) "
+                "and step(episodes, actions)",
+            )
+        )
     runner = EnvironmentRunner(environment, name=ref, timeout_s=timeout_s, on_error="stop")
     rows = [item["row"] for item in sample.items]
     scripts = [list(item["actions"]) for item in sample.items]

@@ -242,6 +242,9 @@ class Countdown:
                                   done=self.left[episode] == 0))
         return out
 
+def not_an_environment():
+    return {"reset": None}
+
 class Sloppy(Countdown):
     def step(self, episodes, actions):
         return ["not a StepResult" for _ in episodes]
@@ -268,6 +271,19 @@ def test_an_environment_is_reset_then_stepped_until_its_episodes_end(tmp_path):
     assert first["items"] == 2 and first["result"]["0"]["observation"] == "TWO"
     # episode 1 ran out of actions; episode 0 ended after its second step (start=2)
     assert second["items"] == 1 and second["result"]["0"]["done"] is True
+
+
+def test_a_factory_that_builds_no_environment_is_refused_naming_the_protocol(tmp_path):
+    write(tmp_path / "envs.py", ENVIRONMENT)
+    sample = jsonl(tmp_path / "episodes.jsonl", [{"row": {"n": 1}, "actions": ["a"]}])
+    code, output = plugins(
+        "test", "./envs.py:not_an_environment", "--kind", "environment", "--sample", sample,
+        "--config-dir", tmp_path,
+    )  # fmt: skip
+    assert code == 2
+    text = " ".join(output.split())
+    assert "returned dict" in text
+    assert "rollout.harness.environments.base.Environment Protocol" in text
 
 
 def test_an_environment_returning_the_wrong_shape_names_the_episodes_sample(tmp_path):
