@@ -19,6 +19,7 @@ from rollout.cli import (
     logs,
     memory,
     plan,
+    plugins,
     run,
     runs,
     schema,
@@ -45,6 +46,7 @@ COMMAND_ORDER = (
     "generate",
     "eval",
     "serve",
+    "plugins",
     "schema",
 )
 
@@ -92,6 +94,7 @@ app.add_typer(snapshot.snapshot)
 app.command()(generate.generate)
 app.command("eval")(eval.eval_command)
 app.command()(serve.serve)
+app.add_typer(plugins.plugins)
 app.command()(schema.schema)
 
 
