@@ -79,7 +79,7 @@ def test_sample_steps_and_step_filter(store):
 
 
 def test_samples_of_an_unknown_run_are_refused(store):
-    with pytest.raises(Exception, match="(?i)foreign key|violates"):
+    with pytest.raises(Exception, match=r"(?i)foreign key|violates"):
         store.add_samples([sample(1, 0, run_id="ghost")])
 
 
