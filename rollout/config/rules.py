@@ -1004,6 +1004,20 @@ def store_backend_is_complete(config: RunConfig) -> Iterator[Issue]:
 
 
 @rule("logging")
+def samples_are_recorded(config: RunConfig) -> Iterator[Issue]:
+    value = config.logging.samples_per_step
+    default = type(config.logging).model_fields["samples_per_step"].default
+    if config.algorithm.kind not in ONLINE_KINDS and value != default:
+        yield Issue(
+            "logging.samples_per_step",
+            f"{config.algorithm.kind} runs train on a dataset and sample no completions, so "
+            "there are none to record",
+            value=value,
+            hint="remove logging.samples_per_step",
+        )
+
+
+@rule("logging")
 def trackers_are_configured(config: RunConfig) -> Iterator[Issue]:
     logging = config.logging
     if "wandb" in logging.trackers and logging.wandb_project is None:
