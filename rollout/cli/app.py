@@ -19,6 +19,7 @@ from rollout.cli import (
     logs,
     memory,
     plan,
+    report,
     run,
     runs,
     schema,
@@ -85,6 +86,7 @@ app.command()(validate.validate)
 app.add_typer(plan.plan_app, name="plan")
 app.command()(run.run)
 app.add_typer(runs.runs)
+app.command()(report.report)
 app.add_typer(logs.logs)
 app.add_typer(checkpoints.checkpoints)
 app.add_typer(memory.memory)
