@@ -264,7 +264,9 @@ def compare(
     if not rows:
         stdout.print(f"neither {escape(run_a)} nor {escape(run_b)} has metrics to compare")
         return
-    table = Table(title=f"A = {run_a}   B = {run_b}", title_justify="left")
+    table = Table(
+        title=f"A = {run_a}   B = {run_b}", title_justify="left", box=None, pad_edge=False
+    )
     table.add_column("metric", style="bold", no_wrap=True)
     for column in ("A last", "B last", "A best", "B best", "A avg", "B avg", "B−A", "B/A"):
         table.add_column(column, justify="right", no_wrap=True)
@@ -357,7 +359,7 @@ def compare_metric(
 
 
 def _number(value: float | None) -> str:
-    return "–" if value is None else f"{value:.4g}"
+    return "–" if value is None else f"{value:.3g}"
 
 
 _BARS = "▁▂▃▄▅▆▇█"
