@@ -168,6 +168,16 @@ class RunStore(Protocol):
     def latest_metrics(self, run_id: str) -> Mapping[str, MetricRecord]:
         """Each metric's row at its highest step."""
 
+    def metric_counts(self, run_id: str) -> Mapping[str, int]:
+        """How many rows (steps) each metric of the run has, by name."""
+
+    def metric_buckets(
+        self, run_id: str, name: str, *, width: int
+    ) -> list[tuple[int, float | None, float | None, float | None]]:
+        """One metric thinned in the store: per bucket of `width` steps (bucket k holds steps
+        k*width .. k*width + width - 1), (k*width, mean, min, max) of its finite values (None
+        where it has none), by bucket. A million rows come back as a few thousand."""
+
     def logs(
         self,
         run_id: str,

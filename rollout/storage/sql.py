@@ -383,6 +383,38 @@ class SqlRunStore(ABC):
         rows = self._read(lambda: self._query(sql, [run_id]))
         return {row["name"]: metric_record(row) for row in rows}
 
+    def metric_counts(self, run_id: str) -> Mapping[str, int]:
+        sql = (
+            "SELECT name, COUNT(*) AS n FROM metrics WHERE run_id = ? "
+            f"GROUP BY name ORDER BY name{self._TEXT_ORDER}"
+        )
+        return {row["name"]: row["n"] for row in self._read(lambda: self._query(sql, [run_id]))}
+
+    def metric_buckets(
+        self, run_id: str, name: str, *, width: int
+    ) -> list[tuple[int, float | None, float | None, float | None]]:
+        if width < 1:
+            raise ValueError(f"bucket width {width} is not a positive number of steps")
+        # Finite values only, the same test in both dialects: NULL (SQLite's NaN) is not
+        # BETWEEN anything, Postgres sorts NaN above every number, and infinities lie outside.
+        sql = f"""
+            SELECT bucket, AVG(v) AS mean, MIN(v) AS low, MAX(v) AS high FROM (
+                SELECT step / ? AS bucket,
+                       CASE WHEN value BETWEEN -{_FLOAT_MAX} AND {_FLOAT_MAX} THEN value END AS v
+                FROM metrics WHERE run_id = ? AND name = ?
+            ) AS steps GROUP BY bucket ORDER BY bucket
+        """
+        rows = self._read(lambda: self._query(sql, [width, run_id, name]))
+        return [
+            (
+                int(row["bucket"]) * width,
+                _float(row["mean"]),
+                _float(row["low"]),
+                _float(row["high"]),
+            )
+            for row in rows
+        ]
+
     def logs(
         self,
         run_id: str,
@@ -495,6 +527,13 @@ def sample_record(row: Mapping[str, Any]) -> SampleRecord:
         extra=json.loads(row["extra"]),
         time=row["time"],
     )
+
+
+_FLOAT_MAX = "1.7976931348623157e308"
+
+
+def _float(value: Any) -> float | None:
+    return None if value is None else float(value)  # Postgres's AVG of a BIGINT is a Decimal
 
 
 def _placeholders(count: int) -> str:

@@ -369,5 +369,10 @@ def test_a_million_metric_rows_make_a_small_page(browser, location, tmp_path):
     (drawn,) = opened.points("reward/mean")
     assert 0.9 * MAX_POINTS <= drawn <= MAX_POINTS
     assert "downsampled" in opened.page.locator('[data-chart="reward"] .note').text_content()
-    assert "spread over the run" in opened.page.locator("#sample-count").text_content()
+    count = opened.page.locator("#sample-count")
+    assert "spread over the run" in count.text_content()
+    # 400 steps x 4 samples: drawn 200 at a time.
+    assert opened.visible_samples() == 200 and "first 200 shown" in count.text_content()
+    opened.page.click("#show-more")
+    assert opened.visible_samples() == 400
     opened.page.close()

@@ -104,3 +104,21 @@ def test_a_version_3_sqlite_store_gains_the_samples_table(tmp_path):
         migrated.create_run("r1", name="t", plan_sha256="ab" * 32, plan_path="/p", run_dir="/p")
         migrated.add_samples([sample(1, 0)])
         assert migrated.samples("r1")[0].completion == "42"
+
+
+def test_metric_buckets_match_thinning_in_python(store):
+    """The store's buckets (rollout report's long series) are rollout.reports.series.thin's."""
+    from rollout.reports.series import thin
+    from rollout.storage.base import MetricRecord
+
+    values = {step: math.sin(step) * 10 for step in range(1, 200)}
+    values[7], values[8] = math.nan, math.inf  # not values: left out of the bucket
+    values.update({step: math.nan for step in range(40, 50)})  # a bucket of NaN only
+    store.add_metrics(MetricRecord("r1", step, "m", v, 0.0) for step, v in values.items())
+    assert store.metric_counts("r1") == {"m": 199}
+    buckets = store.metric_buckets("r1", "m", width=10)
+    expected = thin("m", sorted(values.items()), origin=0, width=10, max_points=1).points
+    assert [b[0] for b in buckets] == [e[0] for e in expected] == list(range(0, 200, 10))
+    assert buckets[4] == (40, None, None, None)
+    for got, want in zip(buckets, expected, strict=True):
+        assert got == pytest.approx(want), (got, want)
