@@ -58,3 +58,36 @@ def test_a_split_run_records_the_actor_samples(workdir):
     assert [(s.step, s.index) for s in samples] == [(st, i) for st in (1, 2, 3) for i in range(4)]
     assert all(s.completion is not None for s in samples)
     assert "perf/receive_s" in data["breakdown"]["phases"]
+
+
+def test_a_multi_turn_run_records_its_episodes(workdir):
+    """guess_number on the tiny model: each sample is an episode's messages, answers and the
+    environment's replies in turn, its reward the episode's return."""
+    args = ["run", "--config", "examples/guess-number.toml"]
+    for setting in (
+        'model={ builtin = "tiny-llama" }',
+        "data.system_prompt=null",
+        "data.eval=null",
+        "run.eval_interval=null",
+        "algorithm.max_steps=2",
+        "algorithm.rollout_batch_size=8",
+        "algorithm.num_generations=4",
+        "algorithm.minibatch_size=8",
+        "logging.samples_per_step=2",
+    ):
+        args += ["--set", setting]
+    result = rollout(workdir, *args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    store, record = only_run(workdir)
+    samples = store.samples(record.run_id)
+    store.close()
+    assert [(s.step, s.index) for s in samples] == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    for sample in samples:
+        assert sample.completion is None and sample.prompt.startswith("Guess my number")
+        roles = [turn["role"] for turn in sample.turns]
+        assert roles[0] == "assistant" and roles[1::2] == ["user"] * len(roles[1::2])
+        assert len(roles) == 2 * len(sample.extra["turn_rewards"]) - 1 or sample.extra["solved"]
+        assert sample.reward == sum(sample.extra["turn_rewards"])
+    made = rollout(workdir, "report", record.run_id, "--out", "report")
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert '"turns":[{"role":"assistant"' in (workdir / "report" / "index.html").read_text()
