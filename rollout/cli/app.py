@@ -20,6 +20,7 @@ from rollout.cli import (
     memory,
     plan,
     plugins,
+    report,
     run,
     runs,
     schema,
@@ -87,6 +88,7 @@ app.command()(validate.validate)
 app.add_typer(plan.plan_app, name="plan")
 app.command()(run.run)
 app.add_typer(runs.runs)
+app.command()(report.report)
 app.add_typer(logs.logs)
 app.add_typer(checkpoints.checkpoints)
 app.add_typer(memory.memory)

@@ -124,6 +124,7 @@ def act_on_step(
     done; then send every learner this actor's summary (queue metrics and `extra`)."""
     plan = ctx.plan
     group = plan.config.algorithm.num_generations
+    samples_per_step = plan.config.logging.samples_per_step
     shares = learner_shares(len(rows) * group, len(groups.learners))
     queue = step_queue(ctx, step, start)
     index = groups.actors.index(ctx.rank)
@@ -149,8 +150,11 @@ def act_on_step(
                 continue  # another holder's copy counted: this one is never sent
             first = chunk.items.start * group
             for learner, (lo, hi) in zip(groups.learners, shares, strict=True):
-                mine = range(max(lo, first), min(hi, first + len(batch)))  # may be empty
-                wire, tensors = to_wire(batch.select([row - first for row in mine]))
+                mine = [row - first for row in range(max(lo, first), min(hi, first + len(batch)))]
+                share = batch.select(mine)  # may be empty
+                if learner == groups.learners[0]:  # it records the first few of the step
+                    share.samples = [rollout.samples[row] for row in mine][:samples_per_step]
+                wire, tensors = to_wire(share)
                 wire.update(step=step, chunk=chunk.index, metrics=rollout.metrics)
                 sends.append(
                     weight_sync.send_message(wire, tensors, learner, message_tag(step, chunk.index))
