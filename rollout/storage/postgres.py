@@ -62,6 +62,7 @@ _COLUMN_TYPES = {
     "rank": "integer",
     "role": "text",
     "message": "text",
+    "span": "text",
     "write_key": "text",
 }
 """The Postgres type of each column that _insert_many sends as an array."""

@@ -1,0 +1,91 @@
+"""Named spans: which phase a line of log belongs to, and OpenTelemetry traces when asked for.
+
+`span(name)` marks a stretch of work (plan, a step's generate/score/train/sync/checkpoint, a
+server request). It always records the innermost span's name in a context variable, which the
+run store's log handler writes on every log line (`rollout logs tail --span train`): a
+ContextVar set and reset, nothing more. Only once `configure(endpoint)` (or, in tests,
+`use_provider`) has run in this process does it also open an OpenTelemetry span; until then
+opentelemetry is never imported, so runs without `[logging] otlp_endpoint` pay nothing for it.
+
+OpenTelemetry is the optional extra rollout[otel]; `rollout plan` refuses an otlp_endpoint
+without it (rollout.planner.trackers), so `configure` failing to import is a bug, not bad input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any
+
+OTEL_MODULE = "opentelemetry.sdk"
+"""What `configure` needs: installed by `pip install 'rollout[otel]'`."""
+
+_current: contextvars.ContextVar[str | None] = contextvars.ContextVar("rollout_span", default=None)
+_tracer: Any = None
+_provider: Any = None
+
+
+def current_span() -> str | None:
+    """The innermost span's name in this thread (or task), None outside every span."""
+    return _current.get()
+
+
+@contextlib.contextmanager
+def span(name: str, **attributes: str | int | float | bool) -> Iterator[None]:
+    """Mark `name` as the current span for log lines; an OpenTelemetry span too when tracing is
+    configured (`attributes` go on it)."""
+    token = _current.set(name)
+    try:
+        tracer = _tracer
+        if tracer is None:
+            yield
+        else:
+            with tracer.start_as_current_span(name, attributes=attributes):
+                yield
+    finally:
+        _current.reset(token)
+
+
+def configure(endpoint: str, service: str) -> None:
+    """Export this process's spans with OTLP over HTTP to `endpoint` (a collector's
+    .../v1/traces URL), in batches from a background thread (a slow collector never blocks a
+    step). `service`: the service.name the spans carry (rollout-worker, rollout-serve...)."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    use_provider(provider)
+
+
+def use_provider(provider: Any) -> None:
+    """Open OpenTelemetry spans from `provider` (an SDK TracerProvider) from now on."""
+    global _tracer, _provider
+    _provider = provider
+    _tracer = provider.get_tracer("rollout")
+
+
+def shutdown() -> None:
+    """Export what is still queued and stop tracing (spans are no-ops again). Safe without
+    configure, and twice."""
+    global _tracer, _provider
+    provider, _provider, _tracer = _provider, None, None
+    if provider is not None:
+        provider.shutdown()
+
+
+@contextlib.contextmanager
+def exporting(endpoint: str | None, service: str) -> Iterator[None]:
+    """Trace to `endpoint` inside the block (nothing when None), flushed and stopped on every
+    way out of it."""
+    if endpoint is None:
+        yield
+        return
+    configure(endpoint, service)
+    try:
+        yield
+    finally:
+        shutdown()
