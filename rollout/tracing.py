@@ -19,7 +19,9 @@ from collections.abc import Iterator
 from typing import Any
 
 OTEL_MODULE = "opentelemetry.sdk"
-"""What `configure` needs: installed by `pip install 'rollout[otel]'`."""
+OTLP_MODULE = "opentelemetry.exporter.otlp.proto.http"
+"""What `configure` needs: both installed by `pip install 'rollout[otel]'`."""
+INSTALL_HINT = "pip install 'rollout[otel]'"
 
 _current: contextvars.ContextVar[str | None] = contextvars.ContextVar("rollout_span", default=None)
 _tracer: Any = None
@@ -31,20 +33,56 @@ def current_span() -> str | None:
     return _current.get()
 
 
+Value = str | int | float | bool
+
+
+class Attributes:
+    """What a span's body may add to it once it knows (a response's status): a no-op when
+    tracing is off."""
+
+    def set(self, key: str, value: Value) -> None:
+        del key, value
+
+
+class _Traced(Attributes):
+    def __init__(self, otel_span: Any) -> None:
+        self._span = otel_span
+
+    def set(self, key: str, value: Value) -> None:
+        self._span.set_attribute(key, value)
+
+
+_UNTRACED = Attributes()
+
+
 @contextlib.contextmanager
-def span(name: str, **attributes: str | int | float | bool) -> Iterator[None]:
+def span(name: str, **attributes: Value) -> Iterator[Attributes]:
     """Mark `name` as the current span for log lines; an OpenTelemetry span too when tracing is
-    configured (`attributes` go on it)."""
+    configured (`attributes` go on it, and what the body `set`s on what it yields)."""
     token = _current.set(name)
     try:
         tracer = _tracer
         if tracer is None:
-            yield
+            yield _UNTRACED
         else:
-            with tracer.start_as_current_span(name, attributes=attributes):
-                yield
+            with tracer.start_as_current_span(name, attributes=attributes) as otel_span:
+                yield _Traced(otel_span)
     finally:
         _current.reset(token)
+
+
+def missing_package() -> str | None:
+    """The OpenTelemetry module `configure` needs and this environment lacks, or None. Looks the
+    packages up without importing them."""
+    import importlib.util
+
+    for module in (OTEL_MODULE, OTLP_MODULE):
+        try:
+            if importlib.util.find_spec(module) is None:
+                return module
+        except ModuleNotFoundError:  # a parent package is missing
+            return module
+    return None
 
 
 def configure(endpoint: str, service: str) -> None:
