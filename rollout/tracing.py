@@ -118,8 +118,9 @@ def shutdown() -> None:
 @contextlib.contextmanager
 def exporting(endpoint: str | None, service: str) -> Iterator[None]:
     """Trace to `endpoint` inside the block (nothing when None), flushed and stopped on every
-    way out of it."""
-    if endpoint is None:
+    way out of it. Where tracing is already on (a test's provider, a caller's own), that is
+    kept: spans go where it sends them."""
+    if endpoint is None or _tracer is not None:
         yield
         return
     configure(endpoint, service)
