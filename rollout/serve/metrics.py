@@ -2,8 +2,9 @@
 
 Each server has its own registry (two servers in one process, a test's and a run's, never mix
 their counts). Updating a metric is a few increments under prometheus_client's locks, on the
-event loop; a scrape renders the registry there too, a fraction of a millisecond for these few
-series (benchmarks/metrics_scrape.py measures what a scraper costs the requests).
+event loop (about 4 us a request here). A scrape renders the registry in a worker thread, so the
+loop goes on meanwhile: 1-9 ms on these machines, from a fresh server's few series to 30
+latency series (benchmarks/metrics_scrape.py measures what a scraper costs the requests).
 
 Labels are bounded: a route is one the server serves (or "other": a client's made-up path never
 becomes a series), an error kind is the error's OpenAI code or type, which the server chooses.

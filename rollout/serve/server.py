@@ -271,7 +271,10 @@ class OpenAIServer:
             if path == "/metrics":
                 if episode is not None:  # the server's metrics, not an episode's route
                     raise ApiError(404, f"no route {path!r} under an episode", code="not_found")
-                return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+                # Rendered in a worker thread: the event loop keeps streaming tokens meanwhile
+                # (a few milliseconds for a busy server's series; benchmarks/metrics_scrape.py).
+                text = await asyncio.to_thread(self.metrics.render)
+                return Response(text, media_type=CONTENT_TYPE_LATEST)
             kind = "chat" if path == "/v1/chat/completions" else "completion"
             return await self._generate(kind, episode, body, scope, receive)
         except _Closing as closing:
