@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 import typer
 from rich.markup import escape
 
-from rollout import tracing
+import rollout.tracing as tracing
 from rollout.cli.options import local_path
 from rollout.cli.render import stdout, user_errors
 from rollout.errors import Issue, RolloutError
@@ -114,10 +114,10 @@ def serve(
     with user_errors():
         if dtype not in DTYPES:
             raise RolloutError(Issue("--dtype", f"must be one of {', '.join(DTYPES)}", value=dtype))
+        check_otlp_endpoint(otlp_endpoint)
         source = resolve_source(
             config=local_path(config), model=model, checkpoint=checkpoint, name=name
         )
-        check_otlp_endpoint(otlp_endpoint)
         key = resolve_api_key(api_key, host)
         tls = tls_context(tls_cert, tls_key)
         served = load_served(

@@ -22,7 +22,7 @@ from rollout.config.data import FieldMap
 from rollout.config.environment import EnvironmentSection
 from rollout.config.evaluation import suite_issues
 from rollout.config.generation import GenerationSection
-from rollout.config.logging import METRICS_OPTIONS, TRACKER_OPTIONS
+from rollout.config.logging import METRICS_OPTIONS, TRACKER_OPTIONS, LoggingSection
 from rollout.config.model import ALL_LINEAR, LORA_MODULE_NAME, MODEL_SOURCES, is_hub_id, is_revision
 from rollout.config.root import RunConfig
 from rollout.errors import Issue
@@ -1034,7 +1034,7 @@ def trackers_are_configured(config: RunConfig) -> Iterator[Issue]:
 def metrics_and_traces_are_configured(config: RunConfig) -> Iterator[Issue]:
     logging = config.logging
     if logging.metrics_port is None:
-        defaults = type(logging).model_fields
+        defaults = LoggingSection.model_fields
         for option in METRICS_OPTIONS:  # read by the metrics server only: refused without it
             value = getattr(logging, option)
             if value != defaults[option].default:

@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
-from rollout import tracing
+import rollout.tracing as tracing
 from rollout.config import load_config
 from rollout.config.algorithm import ONLINE_KINDS, PAIRED_PREFERENCE_KINDS
 from rollout.config.environment import episode_tokens

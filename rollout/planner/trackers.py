@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from rollout import tracing
+import rollout.tracing as tracing
 from rollout.config.root import RunConfig
 from rollout.errors import Issue
 

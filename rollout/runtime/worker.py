@@ -19,7 +19,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rollout import tracing
+import rollout.tracing as tracing
 from rollout.config.algorithm import OFFLINE_KINDS
 from rollout.executor.failure import error_file, fault_file, stacks_file
 from rollout.executor.processes import RUN_TOKEN_ENV, die_with_parent

@@ -117,3 +117,26 @@ def test_plan_and_worker_phases_reach_an_otlp_collector(
     by_id = {span_id: name for _, name, span_id, _ in collector.spans}
     parents = {name: by_id.get(parent) for _, name, _, parent in collector.spans}
     assert parents["generate"] == parents["score"] == "rollout"
+
+
+def test_an_offline_run_exports_its_learn_and_checkpoint_spans(
+    collector, process_state_kept, config_file, base_config, tmp_path, rollout_cache
+):
+    from rollout.runtime import worker
+
+    base_config["run"]["output_dir"] = str(tmp_path / "runs")
+    base_config["data"]["fields"] = {"prompt": "prompt", "completion": "answer"}
+    base_config["algorithm"] = {"kind": "sft", "max_steps": 1, "batch_size": 4}
+    del base_config["rewards"], base_config["generation"]
+    base_config["logging"] = {"otlp_endpoint": collector.url}
+    plan = build_plan(config_file(base_config))
+    run_dir = Path(plan.derived.run_dir)
+    run_dir.mkdir(parents=True)
+    lock = run_dir / "plan.lock"
+    write_plan(plan, lock)
+    with open_store(plan.derived.store) as store:
+        store.create_run(
+            plan.run_id, name="t", plan_sha256="-", plan_path=str(lock), run_dir=str(run_dir)
+        )
+    assert worker.main(["--plan", str(lock)]) == 0
+    assert {"learn", "checkpoint"} <= set(collector.names("rollout-worker"))
