@@ -5,6 +5,7 @@ port is closed once the run has ended."""
 from __future__ import annotations
 
 import queue
+import signal
 import socket
 import threading
 import time
@@ -38,9 +39,10 @@ def samples(url: str) -> dict[str, float]:
     }
 
 
-def test_the_host_serves_metrics_while_the_run_goes(workdir):
+def start_run(workdir, *extra: str):
+    """`rollout run` in the background; (the process, the /metrics URL it printed)."""
     args = ["run", "--config", "examples/grpo-tiny.toml"]
-    for setting in SETTINGS:
+    for setting in (*SETTINGS, *extra):
         args += ["--set", setting]
     process = start(workdir, *args)
     lines: queue.Queue[str] = queue.Queue()
@@ -54,6 +56,21 @@ def test_the_host_serves_metrics_while_the_run_goes(workdir):
         if line.startswith("metrics: "):
             url = line.removeprefix("metrics: ").strip()
     assert url is not None and url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
+    return process, url
+
+
+def closed(url: str) -> bool:
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    except OSError:
+        return True
+    return False
+
+
+def test_the_host_serves_metrics_while_the_run_goes(workdir):
+    process, url = start_run(workdir)
+    deadline = time.monotonic() + WAIT_S
 
     seen: dict[str, float] = {}
     while process.poll() is None and time.monotonic() < deadline:
@@ -69,6 +86,14 @@ def test_the_host_serves_metrics_while_the_run_goes(workdir):
     assert "rollout_run_step_seconds[]" in seen and "rollout_run_tokens_per_second[]" in seen
 
     assert process.wait(WAIT_S) == 0, process.stderr.read()
-    port = int(url.rsplit(":", 1)[1].split("/")[0])
-    with pytest.raises(OSError):
-        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    assert closed(url)
+
+
+def test_a_signalled_host_closes_its_metrics_port(workdir):
+    process, url = start_run(workdir, "algorithm.max_steps=200")
+    deadline = time.monotonic() + WAIT_S
+    while samples(url).get("rollout_run_step[]", 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    process.wait(WAIT_S)
+    assert closed(url)

@@ -189,3 +189,73 @@ def test_a_metrics_key_is_a_reference_never_the_key(base_config):
 def test_an_otlp_endpoint_is_an_http_url(base_config, endpoint):
     issues = _issues(base_config, otlp_endpoint=endpoint)
     assert "http:// or https://" in issues["logging.otlp_endpoint"]
+
+
+# --- the host stops it on every way out
+
+
+GIB = 1024**3
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """The servers run_plan makes, kept for the test to look at afterwards."""
+    from rollout.executor import launch
+
+    made = []
+
+    def keep(*args, **kwargs):
+        server = metrics_server(*args, **kwargs)
+        made.append(server)
+        return server
+
+    monkeypatch.setattr(launch, "metrics_server", keep)
+    return made
+
+
+def _planned(config_file, base_config, tmp_path):
+    import json
+
+    from rollout.planner.builder import build_plan
+    from rollout.planner.definition import HardwareFacts
+    from rollout.planner.lockfile import write_plan
+
+    base_config["run"]["output_dir"] = str(tmp_path / "runs")
+    base_config["logging"] = {"metrics_port": 0}
+    laptop = HardwareFacts(
+        platform="test", cpu_count=8, memory_bytes=16 * GIB, memory_available_bytes=12 * GIB
+    )
+    plan = build_plan(config_file(base_config), hardware=laptop)
+    lock = tmp_path / "plan.lock"
+    write_plan(plan, lock)
+    return plan, lock, json.loads(lock.read_text())["sha256"]
+
+
+def _closed(server) -> bool:
+    return server._server.socket.fileno() == -1 and not server._thread.is_alive()
+
+
+def test_a_refused_start_closes_the_metrics_port(captured, config_file, base_config, tmp_path):
+    from rollout.executor.launch import run_plan
+
+    plan, lock, _ = _planned(config_file, base_config, tmp_path)
+    with open_store(plan.derived.store) as store:  # the run id belongs to another plan
+        store.create_run(plan.run_id, name="t", plan_sha256="0" * 64, plan_path="p", run_dir="d")
+    with pytest.raises(RolloutError):
+        run_plan(lock)
+    (server,) = captured
+    assert _closed(server)
+
+
+def test_a_finished_run_started_again_closes_the_metrics_port(
+    captured, config_file, base_config, tmp_path
+):
+    from rollout.executor.launch import run_plan
+
+    plan, lock, sha = _planned(config_file, base_config, tmp_path)
+    with open_store(plan.derived.store) as store:
+        store.create_run(plan.run_id, name="t", plan_sha256=sha, plan_path="p", run_dir="d")
+        store.set_status(plan.run_id, "finished")
+    assert run_plan(lock).status == "finished"
+    (server,) = captured
+    assert _closed(server)
