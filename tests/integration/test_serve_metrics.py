@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+import time
 
 import openai
 import pytest
@@ -75,7 +76,16 @@ def test_metrics_follow_what_clients_did(server):
     assert status == 404
     bad, _, _ = request(server, "POST", "/v1/completions", body=b"{not json")
     assert bad == 400
+    # A request is counted once its answer is sent: the client may read it a moment before.
+    deadline = time.monotonic() + WAIT_S
     after = scrape(server)
+    while time.monotonic() < deadline and value(
+        after, "rollout_serve_request_seconds_count", route="/v1/completions", status="400"
+    ) == value(
+        before, "rollout_serve_request_seconds_count", route="/v1/completions", status="400"
+    ):
+        time.sleep(0.01)
+        after = scrape(server)
 
     tokens = answer.usage.completion_tokens
     assert tokens > 0
@@ -137,6 +147,10 @@ def test_each_request_is_a_span_with_its_route_and_status(server, spans):
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3
     )
     request(server, "GET", "/v1/elsewhere")
+    # A span ends once its answer is sent: the client can read the answer a moment before.
+    deadline = time.monotonic() + WAIT_S
+    while len(spans.get_finished_spans()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     finished = {span.name: span for span in spans.get_finished_spans()}
     chat = finished["POST /v1/chat/completions"]
     assert chat.attributes["http.route"] == "/v1/chat/completions"
