@@ -736,6 +736,31 @@ class LoggingSection(TypedDict):
     (run.name).
 
     Default: None."""
+    metrics_port: NotRequired[int | None]
+    """Serve Prometheus /metrics from the run's host process (node 0) on this port while the run
+    goes: step, step time, tokens/s, reward, loss, queue depths, restarts, errors, read from
+    what the workers write to the run store. 0 picks a free port (printed at start). None: no
+    metrics server. See docs/observability.md.
+
+    Range: ≥ 0, ≤ 65535. Default: None."""
+    metrics_host: NotRequired[str]
+    """Address the /metrics server binds (metrics_port only). Anything but a loopback address
+    needs metrics_key.
+
+    Default: '127.0.0.1'."""
+    metrics_key: NotRequired[str | None]
+    """Key a scraper must send as 'Authorization: Bearer <key>' to /metrics, as a reference
+    ('env:NAME' or 'file:/path'), never the key; read by the host at run start (metrics_port
+    only). Required when metrics_host is not loopback.
+
+    Default: None."""
+    otlp_endpoint: NotRequired[str | None]
+    """Export OpenTelemetry traces (spans for plan, the workers' step phases
+    generate/score/train/sync/checkpoint) over OTLP/HTTP to this collector URL, e.g.
+    'http://127.0.0.1:4318/v1/traces'. Needs rollout[otel] (refused at plan without it). None:
+    no tracing, and the OpenTelemetry packages are never imported.
+
+    Default: None."""
 
 class LoraSection(TypedDict):
     """[model.lora]: train low-rank adapters (LoRA, through peft) instead of every weight."""

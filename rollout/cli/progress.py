@@ -66,7 +66,11 @@ class RunView:
             on_signal=self.on_signal,
             on_already_finished=self.on_already_finished,
             on_restart=self.on_restart,
+            on_metrics=self.on_metrics,
         )
+
+    def on_metrics(self, url: str) -> None:
+        self.console.print(f"metrics: {escape(url)}")
 
     def on_start(self, plan: Plan, resumed: bool) -> None:
         self.shows_progress = "console" in plan.config.logging.trackers

@@ -7,10 +7,12 @@ import signal
 import threading
 from pathlib import Path
 from typing import Annotated
+from urllib.parse import urlsplit
 
 import typer
 from rich.markup import escape
 
+import rollout.tracing as tracing
 from rollout.cli.options import local_path
 from rollout.cli.render import stdout, user_errors
 from rollout.errors import Issue, RolloutError
@@ -87,6 +89,15 @@ def serve(
     seed: Annotated[
         int | None, typer.Option("--seed", help="Seed of the sampling stream (unseeded requests).")
     ] = None,
+    otlp_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            "--otlp-endpoint",
+            metavar="URL",
+            help="Export a trace span per request over OTLP/HTTP to this collector URL "
+            "(http://127.0.0.1:4318/v1/traces); needs rollout\\[otel].",
+        ),
+    ] = None,
 ) -> None:
     """Serve a model over HTTP (or HTTPS) with the OpenAI API (completions, chat, streaming).
 
@@ -103,6 +114,7 @@ def serve(
     with user_errors():
         if dtype not in DTYPES:
             raise RolloutError(Issue("--dtype", f"must be one of {', '.join(DTYPES)}", value=dtype))
+        check_otlp_endpoint(otlp_endpoint)
         source = resolve_source(
             config=local_path(config), model=model, checkpoint=checkpoint, name=name
         )
@@ -120,8 +132,32 @@ def serve(
     # The name may come from a --model URL: printed only through redact_text, like every Issue.
     shown = redact_text(repr(source.name))
     stdout.print(f"serving {escape(shown)} at {server.url} (Ctrl-C or SIGTERM stops)")
-    _serve_until_signalled(server)
+    with tracing.exporting(otlp_endpoint, "rollout-serve"):
+        _serve_until_signalled(server)
     stdout.print("stopped")
+
+
+def check_otlp_endpoint(endpoint: str | None) -> None:
+    """An endpoint is an http(s) URL without a password, and needs OpenTelemetry installed."""
+    if endpoint is None:
+        return
+    if not endpoint.startswith(("http://", "https://")) or urlsplit(endpoint).password:
+        raise RolloutError(
+            Issue(
+                "--otlp-endpoint",
+                "must be an http:// or https:// URL with no password in it (OTLP over HTTP)",
+                hint="e.g. http://127.0.0.1:4318/v1/traces for a local OpenTelemetry collector",
+            )
+        )
+    missing = tracing.missing_package()
+    if missing is not None:
+        raise RolloutError(
+            Issue(
+                "--otlp-endpoint",
+                f"exporting traces needs the Python package {missing!r}, which is not installed",
+                hint=f"{tracing.INSTALL_HINT}, or leave out --otlp-endpoint",
+            )
+        )
 
 
 def _bind(host: str, port: int, served, key: str | None, tls):

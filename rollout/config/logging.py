@@ -17,6 +17,10 @@ TRACKER_OPTIONS: dict[str, tuple[str, ...]] = {
 }
 """The [logging] keys that only one tracker reads: set without that tracker, they are refused."""
 
+METRICS_OPTIONS = ("metrics_host", "metrics_key")
+"""The [logging] keys that only the run host's /metrics server reads: refused without
+metrics_port."""
+
 
 class LoggingSection(ConfigModel):
     trackers: list[Tracker] = Field(
@@ -66,4 +70,33 @@ class LoggingSection(ConfigModel):
         min_length=1,
         description="MLflow experiment name, created when missing (mlflow tracker only). None: "
         "the run name (run.name).",
+    )
+    metrics_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="Serve Prometheus /metrics from the run's host process (node 0) on this "
+        "port while the run goes: step, step time, tokens/s, reward, loss, queue depths, "
+        "restarts, errors, read from what the workers write to the run store. 0 picks a free "
+        "port (printed at start). None: no metrics server. See docs/observability.md.",
+    )
+    metrics_host: str = Field(
+        default="127.0.0.1",
+        min_length=1,
+        description="Address the /metrics server binds (metrics_port only). Anything but a "
+        "loopback address needs metrics_key.",
+    )
+    metrics_key: SecretRef | None = Field(
+        default=None,
+        description="Key a scraper must send as 'Authorization: Bearer <key>' to /metrics, as a "
+        "reference ('env:NAME' or 'file:/path'), never the key; read by the host at run start "
+        "(metrics_port only). Required when metrics_host is not loopback.",
+    )
+    otlp_endpoint: Location | None = Field(
+        default=None,
+        min_length=1,
+        description="Export OpenTelemetry traces (spans for plan, the workers' step phases "
+        "generate/score/train/sync/checkpoint) over OTLP/HTTP to this collector URL, e.g. "
+        "'http://127.0.0.1:4318/v1/traces'. Needs rollout[otel] (refused at plan without it). "
+        "None: no tracing, and the OpenTelemetry packages are never imported.",
     )

@@ -22,7 +22,7 @@ from rollout.config.data import FieldMap
 from rollout.config.environment import EnvironmentSection
 from rollout.config.evaluation import suite_issues
 from rollout.config.generation import GenerationSection
-from rollout.config.logging import TRACKER_OPTIONS, LoggingSection
+from rollout.config.logging import METRICS_OPTIONS, TRACKER_OPTIONS, LoggingSection
 from rollout.config.model import ALL_LINEAR, LORA_MODULE_NAME, MODEL_SOURCES, is_hub_id, is_revision
 from rollout.config.root import RunConfig
 from rollout.errors import Issue
@@ -1042,3 +1042,36 @@ def trackers_are_configured(config: RunConfig) -> Iterator[Issue]:
                     value=value,
                     hint=f'add "{tracker}" to logging.trackers, or remove {option}',
                 )
+
+
+@rule("logging")
+def metrics_and_traces_are_configured(config: RunConfig) -> Iterator[Issue]:
+    logging = config.logging
+    if logging.metrics_port is None:
+        defaults = LoggingSection.model_fields
+        for option in METRICS_OPTIONS:  # read by the metrics server only: refused without it
+            value = getattr(logging, option)
+            if value != defaults[option].default:
+                yield Issue(
+                    f"logging.{option}",
+                    f"{option} is set but metrics_port is not, so no metrics server would read it",
+                    value=value,
+                    hint=f"set metrics_port (0 picks a free port), or remove {option}",
+                )
+    elif not is_loopback(logging.metrics_host) and logging.metrics_key is None:
+        yield Issue(
+            "logging.metrics_host",
+            f"binding /metrics to {logging.metrics_host} exposes the run's metrics beyond this "
+            "machine, and needs a key",
+            value=logging.metrics_host,
+            hint='set metrics_key = "env:NAME" with the key in that environment variable, or '
+            'bind "127.0.0.1"',
+        )
+    endpoint = logging.otlp_endpoint
+    if endpoint is not None and not endpoint.startswith(("http://", "https://")):
+        yield Issue(
+            "logging.otlp_endpoint",
+            "must be an http:// or https:// URL (OTLP over HTTP)",
+            value=endpoint,
+            hint="e.g. 'http://127.0.0.1:4318/v1/traces' for a local OpenTelemetry collector",
+        )

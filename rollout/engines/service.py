@@ -260,6 +260,7 @@ class EngineService:
         self._lock = threading.Condition()
         self._inbox: list[RequestHandle] = []
         self._in_flight = 0
+        self._live_rows = 0
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="rollout-engine", daemon=True)
         self._thread.start()
@@ -276,6 +277,12 @@ class EngineService:
     @property
     def closing(self) -> bool:
         return self._closing
+
+    @property
+    def occupancy(self) -> tuple[int, int]:
+        """(rows sampled together at the last step, the most the batch takes): how full the
+        engine's batch is, for /metrics. Read without the lock: a scrape may see a step old."""
+        return self._live_rows, self._max_width
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> RequestHandle:
         """Queue one prompt (token ids) for `params.n` completions; thread-safe.
@@ -371,6 +378,7 @@ class EngineService:
         gone = [key for key, (handle, _) in owners.items() if handle.cancelled]
         for key in gone:
             del owners[key]
+        self._live_rows = len(batch.live_rows())
         with self._lock:
             self._in_flight = len({id(handle) for handle, _ in owners.values()}) + len(self._inbox)
 

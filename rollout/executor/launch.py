@@ -44,6 +44,7 @@ from rollout.executor.failure import (
     fault_file,
     first_death,
 )
+from rollout.executor.metrics import RunMetricsServer, metrics_server
 from rollout.executor.ownership import Heartbeat, claim, directory_lock, lease_seconds
 from rollout.executor.preflight import verify_plan
 from rollout.executor.processes import RUN_TOKEN_ENV, Reaper, kill_marked
@@ -68,6 +69,8 @@ class Progress:
     on_signal: Callable[[str], None] = lambda name: None
     """A stop signal arrived (SIGHUP: the terminal is gone, so print nothing more there)."""
     on_already_finished: Callable[[Plan, RunRecord], None] = lambda plan, record: None
+    on_metrics: Callable[[str], None] = lambda url: None
+    """The run's /metrics is served at this URL ([logging] metrics_port)."""
     on_restart: Callable[[str], None] = lambda line: None
     """A rank died and every process starts again (rollout.executor.restarts): why, and which
     restart of how many."""
@@ -79,6 +82,19 @@ def run_plan(plan_path: str | Path, *, progress: Progress | None = None) -> RunR
     progress = progress or Progress()
     plan = verify_plan(plan_path)
     check_node_rank(plan, 0)
+    # Bound now: a key that cannot be read or a port in use is refused before the run is
+    # claimed. Served from just before the workers start; stopped however the host ends.
+    metrics = _metrics_server(plan)
+    try:
+        return _run_verified(plan, plan_path, progress, metrics)
+    finally:
+        if metrics is not None:
+            metrics.stop()
+
+
+def _run_verified(
+    plan: Plan, plan_path: str | Path, progress: Progress, metrics: RunMetricsServer | None
+) -> RunRecord:
     lock_sha256 = _lock_sha256(Path(plan_path))
     run_dir = Path(plan.derived.run_dir)
     with directory_lock(run_dir, plan.run_id) as owner:
@@ -106,6 +122,9 @@ def run_plan(plan_path: str | Path, *, progress: Progress | None = None) -> RunR
                 plan_copy = copy_plan(Path(plan_path), run_dir)
                 clear_old_reports(plan, 0)
                 progress.on_start(plan, existing is not None)
+                if metrics is not None:
+                    metrics.start()
+                    progress.on_metrics(metrics.url)
                 rdzv = resolve(plan, 0)
                 status, error = supervise(
                     plan,
@@ -152,6 +171,17 @@ class _OwnerWatch:
         if _cancel_requested(store, self.run_id):
             return Stop("stopped")
         return None
+
+
+def _metrics_server(plan: Plan) -> RunMetricsServer | None:
+    config = plan.config.logging
+    return metrics_server(
+        plan.run_id,
+        lambda: open_store(plan.derived.store),
+        port=config.metrics_port,
+        host=config.metrics_host,
+        key_ref=config.metrics_key,
+    )
 
 
 def _announcer(plan: Plan, rdzv: Rendezvous) -> Callable[[Stop], None]:

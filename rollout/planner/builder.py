@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
+import rollout.tracing as tracing
 from rollout.config import load_config
 from rollout.config.algorithm import ONLINE_KINDS, PAIRED_PREFERENCE_KINDS
 from rollout.config.environment import episode_tokens
@@ -94,6 +95,26 @@ def build_plan(
                 Issue(repr(str(config)), f"is not a usable config file path: {error}")
             ) from None
         run_config = load_config(config_path, overrides)
+    # The plan is a trace of its own ([logging] otlp_endpoint), its stages spans inside it. Without
+    # OpenTelemetry installed nothing is exported: the plan then refuses the endpoint (below).
+    endpoint = run_config.logging.otlp_endpoint
+    if endpoint is not None and tracing.missing_package() is not None:
+        endpoint = None
+    with (
+        tracing.exporting(endpoint, "rollout-plan"),
+        tracing.span("plan", **{"rollout.run_name": run_config.run.name}),
+    ):
+        return _build(run_config, config_path, base_dir, hardware, run_id, created_at)
+
+
+def _build(
+    run_config: RunConfig,
+    config_path: Path | None,
+    base_dir: str | Path | None,
+    hardware: HardwareFacts | None,
+    run_id: str | None,
+    created_at: datetime | None,
+) -> Plan:
     base = (
         Path(base_dir).resolve()
         if base_dir
@@ -102,13 +123,16 @@ def build_plan(
 
     issues: list[Issue] = []
     hardware = hardware or probe_hardware()
-    model = _collect(issues, lambda: inspect_model(run_config.model, base_dir=base))
+    with tracing.span("plan.model"):
+        model = _collect(issues, lambda: inspect_model(run_config.model, base_dir=base))
     # The tools come first: every episode's first message starts with their declarations,
     # which the data check counts against max_prompt_tokens.
     tools = resolve_tools(run_config, base, issues)
-    data = _inspect_all_data(run_config, base, issues, model, tools.instructions)
+    with tracing.span("plan.data"):
+        data = _inspect_all_data(run_config, base, issues, model, tools.instructions)
     fields = _reward_fields(run_config, data)
-    rewards = _resolve_rewards(run_config, base, fields, issues)
+    with tracing.span("plan.rewards"):
+        rewards = _resolve_rewards(run_config, base, fields, issues)
     environment = _resolve_environment(run_config, base, issues)
     eval_suites = inspect_suites(run_config, base, issues)
     device = _resolve_device(run_config, hardware, issues)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
+import rollout.tracing as tracing
 from rollout.config.root import RunConfig
 from rollout.errors import Issue
 
@@ -29,8 +30,21 @@ TRACKER_PACKAGES: dict[str, TrackerPackage] = {
 
 
 def tracker_issues(config: RunConfig) -> list[Issue]:
-    """One issue per enabled tracker whose package is not installed here."""
+    """One issue per enabled tracker whose package is not installed here, and one for an
+    otlp_endpoint without OpenTelemetry."""
     issues = []
+    if config.logging.otlp_endpoint is not None:
+        missing = tracing.missing_package()
+        if missing is not None:
+            issues.append(
+                Issue(
+                    "logging.otlp_endpoint",
+                    f"exporting traces needs the Python package {missing!r}, which is not "
+                    "installed in this environment",
+                    value=config.logging.otlp_endpoint,
+                    hint=f"{tracing.INSTALL_HINT}, or remove otlp_endpoint",
+                )
+            )
     for tracker in config.logging.trackers:
         package = TRACKER_PACKAGES.get(tracker)
         if package is None or importlib.util.find_spec(package.module) is not None:

@@ -10,6 +10,9 @@ Per step on CUDA it also reports the peak memory allocated and how often the cac
 had to free its cache and retry an allocation (`num_alloc_retries`): a retry synchronizes the
 device and returns every cached block to the driver, and the allocations after it start from
 nothing; a step with retries is a slow step.
+
+Each phase is also a span (rollout.tracing) of its name: log lines written in it carry it
+(`rollout logs tail --span learn`), and with [logging] otlp_endpoint it is exported as a trace.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from collections import defaultdict
 from collections.abc import Iterator
 
 import torch
+
+from rollout.tracing import span
 
 
 class PhaseClock:
@@ -39,9 +44,10 @@ class PhaseClock:
         self._wait()
         started = time.perf_counter()
         try:
-            yield
+            with span(name):
+                yield
+                self._wait()  # the phase's kernels end inside its span
         finally:
-            self._wait()
             self.seconds[name] += time.perf_counter() - started
 
     def metrics(self) -> dict[str, float]:

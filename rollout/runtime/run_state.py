@@ -44,6 +44,7 @@ from rollout.runtime.sharding import (
     gather_full_state,
     is_sharded,
 )
+from rollout.tracing import span
 
 if TYPE_CHECKING:
     from rollout.models.lora import Adapters
@@ -87,7 +88,19 @@ class RunState:
 
         Under an object-store root the checkpoint is committed by an upload thread
         (ctx.uploads) while the next steps train; the run store's record of it is written when
-        it is committed. perf/checkpoint_blocking_s is what the save held the loop up for."""
+        it is committed. perf/checkpoint_blocking_s is what the save held the loop up for.
+        It runs in the span "checkpoint" (rollout.tracing)."""
+        with span("checkpoint", step=step):
+            self._save(ctx, writer, step, trainer_state, loop_files)
+
+    def _save(
+        self,
+        ctx: WorkerContext,
+        writer: BackgroundWriter,
+        step: int,
+        trainer_state: Mapping[str, Any] | None,
+        loop_files: LoopFiles | None,
+    ) -> None:
         # Everything recorded up to this step reaches the store before the checkpoint exists, so
         # a crash after it loses no metric or log line of the steps it covers.
         writer.flush()

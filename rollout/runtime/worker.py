@@ -19,6 +19,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import rollout.tracing as tracing
 from rollout.config.algorithm import OFFLINE_KINDS
 from rollout.executor.failure import error_file, fault_file, stacks_file
 from rollout.executor.processes import RUN_TOKEN_ENV, die_with_parent
@@ -75,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from rollout.runtime.online.trainer import train
 
-        train(context, writer)
+        # Spans of this rank's step phases to the collector, flushed before the writer closes.
+        with tracing.exporting(plan.config.logging.otlp_endpoint, "rollout-worker"):
+            train(context, writer)
         context.uploads.wait()  # the last checkpoint is committed before the run ends
         failed = False
         return 0

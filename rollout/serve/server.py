@@ -38,6 +38,7 @@ import queue
 import socket
 import ssl
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,7 @@ from rollout.engines.service import (
     ServiceClosed,
 )
 from rollout.redact import redact_text
+from rollout.serve.metrics import CONTENT_TYPE_LATEST, ServeMetrics
 from rollout.serve.protocol import ApiError, GenerationRequest, ModelInfo, parse_request, per_prompt
 from rollout.serve.recording import EPISODE_ID, CompletionRecorder, RecorderFull
 from rollout.serve.responses import (
@@ -78,6 +80,7 @@ from rollout.serve.wire import (
     json_response,
     read_body,
 )
+from rollout.tracing import span
 
 __all__ = ["BODY_TIMEOUT_S", "MAX_BODY_BYTES", "OpenAIServer", "ServedModel"]
 
@@ -108,8 +111,10 @@ ROUTES = {
     "/v1/models": "GET",
     "/v1/completions": "POST",
     "/v1/chat/completions": "POST",
+    "/metrics": "GET",
 }
-"""path -> the one method it takes."""
+"""path -> the one method it takes. /metrics: Prometheus' text format (metrics.py), under the
+same key as every route."""
 EPISODE_PREFIX = "/episodes/"
 """`/episodes/{episode_id}` + a route: the route, its completions recorded for the episode."""
 
@@ -169,6 +174,7 @@ class OpenAIServer:
             ssl_context_factory=None if tls is None else (lambda config, default: tls),
         )
         self._uvicorn = uvicorn.Server(config)
+        self.metrics = ServeMetrics(model.service)
         self._serving = threading.Event()
         self._stopped = threading.Event()
 
@@ -213,8 +219,21 @@ class OpenAIServer:
         headers = {
             name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]
         }
-        response = await self._respond(scope, receive, headers)
-        await response(scope, receive, send)
+        metrics = self.metrics
+        route = _route_label(scope["raw_path"])
+        started = time.perf_counter()
+        metrics.in_flight.inc()
+        status = 500
+        try:
+            # Each request is its own asyncio task: the span is this request's alone.
+            with span(f"{scope['method'][:20]} {route}", **{"http.route": route}) as traced:
+                response = await self._respond(scope, receive, headers)
+                status = response.status_code
+                traced.set("http.response.status_code", status)
+                await response(scope, receive, send)
+        finally:
+            metrics.in_flight.dec()
+            metrics.latency.labels(route, str(status)).observe(time.perf_counter() - started)
 
     async def _respond(
         self, scope: dict[str, Any], receive: Any, headers: dict[str, str]
@@ -245,19 +264,33 @@ class OpenAIServer:
                 raise ApiError(404, f"no route {path[:200]!r}", code="not_found")
             if method != wanted:
                 error = ApiError(405, f"{path} takes {wanted}, not {method}")
+                self._count_error(error)
                 return error_response(error, Allow=wanted)
             if path == "/v1/models":
                 return self._models()
+            if path == "/metrics":
+                if episode is not None:  # the server's metrics, not an episode's route
+                    raise ApiError(404, f"no route {path!r} under an episode", code="not_found")
+                # Rendered in a worker thread: the event loop keeps streaming tokens meanwhile
+                # (a few milliseconds for a busy server's series; benchmarks/metrics_scrape.py).
+                text = await asyncio.to_thread(self.metrics.render)
+                return Response(text, media_type=CONTENT_TYPE_LATEST)
             kind = "chat" if path == "/v1/chat/completions" else "completion"
             return await self._generate(kind, episode, body, scope, receive)
         except _Closing as closing:
+            self._count_error(closing.error)
             return error_response(closing.error, close=True)
         except ApiError as error:
+            self._count_error(error)
             return error_response(error, close=getattr(error, "close", False))
         except Exception:
             log.exception("internal error on %s %s", method, redact_text(raw_path[:200]))
             error = ApiError(500, "internal server error", type="server_error")
+            self._count_error(error)
             return error_response(error)
+
+    def _count_error(self, error: ApiError) -> None:
+        self.metrics.errors.labels(error.code or error.type).inc()
 
     def _episode(self, path: str) -> tuple[str | None, str]:
         """(episode id, the route under it) for an episode path, (None, path) otherwise."""
@@ -391,6 +424,7 @@ class OpenAIServer:
         for prompt, completions in zip(request.prompts, results, strict=True):
             for completion in completions:
                 record(prompt, completion)
+                self.metrics.tokens.inc(len(completion.token_ids))
         kind, model = request.kind, self.model
         body = envelope(kind, response_id(kind), model.info.name, chunk=False)
         choices = []
@@ -461,6 +495,7 @@ class OpenAIServer:
                     completion = event.completion
                     completions.append(completion)
                     record(request.prompts[number], completion)
+                    self.metrics.tokens.inc(len(completion.token_ids))
                     choice["finish_reason"] = OPENAI_FINISH[completion.finish_reason]
                     choice["rollout"] = rollout_fields(request.prompts[number], completion)
                 yield _event(chunk)
@@ -473,6 +508,7 @@ class OpenAIServer:
         except Exception as error:  # an engine step failed: say so in the stream, then end it
             log.exception("generation failed while streaming")
             failure = ApiError(500, f"generation failed: {error}", type="server_error")
+            self._count_error(failure)
             yield _event(failure.body())
             yield _event("[DONE]")
         finally:  # the client went away (the stream was cancelled), or it ended: no-op then
@@ -517,6 +553,17 @@ class _SseResponse(StreamingResponse):
         finally:
             for handle in self._handles:
                 handle.cancel()
+
+
+def _route_label(raw_path: bytes) -> str:
+    """The route a request asked for, as a metric label: a served route (an episode's as
+    /episodes/{id}/...), or "other" for any other path, so a client never makes a series."""
+    path = raw_path.decode("latin-1").split("?", 1)[0].rstrip("/")
+    prefix = ""
+    if path.startswith(EPISODE_PREFIX):
+        prefix = "/episodes/{id}"
+        path = "/" + path[len(EPISODE_PREFIX) :].partition("/")[2]
+    return prefix + path if path in ROUTES else "other"
 
 
 def _event(data: dict[str, Any] | str) -> bytes:

@@ -68,6 +68,8 @@ class LogRecord:
     rank: int
     role: str
     message: str
+    span: str | None = None
+    """The span or phase the line was written in (rollout.tracing); None outside every span."""
 
 
 @dataclass(frozen=True)
@@ -98,8 +100,12 @@ class SampleRecord:
     time: float
 
 
-LogRow = tuple[str, float, LogLevel, int, str, str]
-"""A log line to add: (run_id, time, level, rank, role, message); the store assigns its id."""
+LogRow = (
+    tuple[str, float, LogLevel, int, str, str]
+    | tuple[str, float, LogLevel, int, str, str, str | None]
+)
+"""A log line to add: (run_id, time, level, rank, role, message[, span]); the store assigns its
+id. Without a span, the line belongs to none."""
 
 
 class RunStore(Protocol):
@@ -186,12 +192,13 @@ class RunStore(Protocol):
         level: LogLevel | None = None,
         rank: int | None = None,
         role: str | None = None,
+        span: str | None = None,
         limit: int = 1000,
         newest_first: bool = False,
     ) -> list[LogRecord]:
         """Lines with id > after_id, by id. `level` keeps that level and above; `role` also
-        matches a colocated process logged as 'actor+learner'. newest_first: the last `limit`
-        lines, newest first (for `tail -n`)."""
+        matches a colocated process logged as 'actor+learner'; `span`: lines written inside that
+        span. newest_first: the last `limit` lines, newest first (for `tail -n`)."""
 
     def checkpoints(self, run_id: str) -> list[CheckpointRecord]:
         """Ordered by step."""

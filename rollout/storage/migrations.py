@@ -228,6 +228,18 @@ MIGRATIONS: list[Migration] = [
         );
         """,
     ),
+    # A log line carries the span or phase it was written in (generate, score, train, sync,
+    # checkpoint, plan...; rollout.tracing), NULL outside every span and for lines written before
+    # this migration: `logs tail --span`.
+    Migration(
+        5,
+        """
+        ALTER TABLE logs ADD COLUMN span TEXT;
+        """,
+        """
+        ALTER TABLE logs ADD COLUMN span TEXT;
+        """,
+    ),
 ]
 
 LATEST = MIGRATIONS[-1].number

@@ -62,6 +62,7 @@ _COLUMN_TYPES = {
     "rank": "integer",
     "role": "text",
     "message": "text",
+    "span": "text",
     "write_key": "text",
     "sample_index": "integer",
     "prompt": "text",

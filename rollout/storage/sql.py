@@ -318,14 +318,17 @@ class SqlRunStore(ABC):
             return
         # Keys are chosen now, once: written again after a dropped connection, a line that
         # made it the first time is not added twice.
-        values = [(*row, key) for row, key in zip(rows, self._log_keys(len(rows)), strict=True)]
+        values = [
+            (*row[:6], row[6] if len(row) > 6 else None, key)
+            for row, key in zip(rows, self._log_keys(len(rows)), strict=True)
+        ]
         run_ids = sorted({row[0] for row in rows})
 
         def write() -> None:
             self._serialize_logs(run_ids)
             self._insert_many(
                 "logs",
-                ("run_id", "time", "level", "rank", "role", "message", "write_key"),
+                ("run_id", "time", "level", "rank", "role", "message", "span", "write_key"),
                 values,
                 "(write_key) DO NOTHING",
             )
@@ -423,6 +426,7 @@ class SqlRunStore(ABC):
         level: LogLevel | None = None,
         rank: int | None = None,
         role: str | None = None,
+        span: str | None = None,
         limit: int = 1000,
         newest_first: bool = False,
     ) -> list[LogRecord]:
@@ -439,6 +443,9 @@ class SqlRunStore(ABC):
             # A colocated process logs as 'actor+learner': `--role learner` must find it too.
             where.append(f"{self._FIND}('+' || role || '+', '+' || ? || '+') > 0")
             params.append(role)
+        if span is not None:
+            where.append("span = ?")
+            params.append(span)
         order = "DESC" if newest_first else "ASC"
         sql = (
             f"SELECT {LOG_COLUMNS} FROM logs WHERE {' AND '.join(where)} "

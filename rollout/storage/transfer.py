@@ -139,7 +139,7 @@ def import_records(
             MetricRecord(run_id, m.step, m.name, m.value, m.time) for m in records.metrics
         )
         store.add_logs(
-            (run_id, line.time, line.level, line.rank, line.role, line.message)
+            (run_id, line.time, line.level, line.rank, line.role, line.message, line.span)
             for line in records.logs
         )
         store.add_samples(

@@ -33,6 +33,7 @@ from rollout.storage.base import (
     RunStore,
     SampleRecord,
 )
+from rollout.tracing import current_span
 
 _STOP = object()
 _LIVENESS_CHECK_S = 0.1
@@ -144,8 +145,10 @@ class BackgroundWriter:
         message: str,
         *,
         time_s: float | None = None,
+        span: str | None = None,
     ) -> None:
-        self._put((run_id, time.time() if time_s is None else time_s, level, rank, role, message))
+        stamp = time.time() if time_s is None else time_s
+        self._put((run_id, stamp, level, rank, role, message, span))
 
     def write_checkpoint(self, run_id: str, step: int, location: str) -> None:
         self._put(CheckpointRecord(run_id, step, location, time.time()))
@@ -286,7 +289,7 @@ class StoreLogHandler(logging.Handler):
     """Send standard `logging` records to the run store through a `BackgroundWriter`.
 
     CRITICAL is stored as 'error' and anything below INFO as 'debug'. Formatting runs in the
-    caller; the write does not.
+    caller; the write does not. Each line carries the span it was logged in (rollout.tracing).
     """
 
     def __init__(self, writer: BackgroundWriter, run_id: str, rank: int, role: str) -> None:
@@ -305,6 +308,7 @@ class StoreLogHandler(logging.Handler):
                 self.role,
                 redact_text(self.format(record)),
                 time_s=record.created,
+                span=current_span(),  # read here, in the thread that logged the line
             )
         except Exception:
             self.handleError(record)

@@ -1248,6 +1248,9 @@ SECTION_CASES: dict[str, list[Case]] = {
         refused("sft", {"logging.mlflow_tracking_uri": f"{WORKDIR}/mlruns"})
     ],
     "logging.mlflow_experiment": [refused("sft", {"logging.mlflow_experiment": "audit"})],
+    # Read by the metrics server alone: without metrics_port, refused.
+    "logging.metrics_host": [refused("sft", {"logging.metrics_host": "0.0.0.0"})],
+    "logging.metrics_key": [refused("sft", {"logging.metrics_key": "env:METRICS_KEY"})],
 }
 
 
@@ -1270,6 +1273,11 @@ UNOBSERVABLE: dict[str, str] = {
     "cluster.collective_timeout_s": "read where several ranks join a process group, and the "
     "audit's runs are one worker in this process: test_multi_node's stalled rank ends the run "
     "after it",
+    "logging.metrics_port": "read by the run's host process, and the audit runs the worker "
+    "alone: test_run_metrics_live scrapes a real run's host at the port, and finds it closed "
+    "after the run",
+    "logging.otlp_endpoint": "exported to a collector, which the audit's runs have none of: "
+    "test_traces_otlp runs a plan and a worker against an OTLP collector and reads their spans",
 }
 """Field -> why no case can show its effect here, reviewed one by one, each naming the test that
 shows it where it can be seen."""

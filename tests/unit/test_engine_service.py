@@ -5,6 +5,7 @@ batch, close() finishes what is in flight."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -191,3 +192,15 @@ def test_too_many_requests_are_refused(tiny_llama, prompts):
 def test_an_empty_prompt_is_refused(service):
     with pytest.raises(ValueError, match="no tokens"):
         service.submit([], greedy(4))
+
+
+def test_occupancy_counts_the_rows_sampled_together(service, prompts):
+    """What /metrics shows as the batch's occupancy: the rows of the last step, of the cap."""
+    assert service.occupancy == (0, 8)
+    handle = service.submit(prompts[0], SamplingParams(max_new_tokens=20, n=3, seed=4))
+    seen = [service.occupancy[0] for _ in handle.events(timeout=WAIT_S)]
+    assert max(seen) == 3  # the three samples of the prompt, decoded together
+    deadline = time.monotonic() + WAIT_S
+    while service.occupancy[0] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert service.occupancy == (0, 8)  # idle again once the step after the last row ends

@@ -118,3 +118,32 @@ def test_a_url_models_served_name_leaves_its_query_out():
 
     url = f"https://host/models/m.gguf?X-Amz-Signature={CANARY}&token={CANARY}"
     assert resolve_source(config=None, model=url, checkpoint=None, name=None).name == "m.gguf"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "says"),
+    [
+        ("collector:4318", "must be an http:// or https:// URL"),
+        ("http://user:pw@collector:4318/v1/traces", "no password in it"),
+    ],
+)
+def test_a_bad_otlp_endpoint_is_one_clear_error(endpoint, says):
+    result = runner.invoke(
+        app, ["serve", "--model", "builtin:tiny-llama", "--otlp-endpoint", endpoint]
+    )
+    assert result.exit_code == 2, result.output
+    assert "--otlp-endpoint" in result.output and says in result.output
+    assert "Traceback" not in result.output and "pw@" not in result.output
+
+
+def test_an_otlp_endpoint_without_opentelemetry_names_the_pip_command(monkeypatch):
+    from rollout import tracing
+
+    monkeypatch.setattr(tracing, "missing_package", lambda: "opentelemetry.sdk")
+    result = runner.invoke(
+        app,
+        ["serve", "--model", "builtin:tiny-llama", "--otlp-endpoint", "http://127.0.0.1:4318"],
+        env={"COLUMNS": "200"},
+    )
+    assert result.exit_code == 2, result.output
+    assert "pip install 'rollout[otel]'" in result.output

@@ -20,10 +20,10 @@ PACKAGE = REPO / "rollout"
 # The layers, lowest first (DESIGN.md, "Import direction"). A package may import the leaves and
 # the packages named here, and nothing else of rollout; the rule is the design, never widened to
 # fit code that breaks it. Every package and module of rollout has an entry (a test checks).
-LEAVES = {"errors", "redact", "files", "fingerprints", "seeds", "version"}
+LEAVES = {"errors", "redact", "files", "fingerprints", "seeds", "version", "tracing"}
 """Standard-library-only modules every layer may use: the error types, redaction of credentials,
 reading user-named files, content fingerprints, seeds derived from the run's root seed, the
-installed version."""
+installed version, named spans (OpenTelemetry imported only once tracing is configured)."""
 ALLOWED = {
     "config": set(),  # pydantic models of the config: the bottom of the tree
     "schema": {"config"},  # generated from the config models

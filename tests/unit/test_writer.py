@@ -188,8 +188,8 @@ def test_log_handler_sends_formatted_records():
         finally:
             logger.removeHandler(handler)
     rows = [row for _, row in store.transactions[0]]
-    run_id, created, level, rank, role, message = rows[0]
-    assert (run_id, level, rank, role) == ("r", "info", 3, "actor")
+    run_id, created, level, rank, role, message, span = rows[0]
+    assert (run_id, level, rank, role, span) == ("r", "info", 3, "actor", None)
     assert message == "rollout.test_writer: step 7 done"
     assert abs(created - time.time()) < 60
     assert rows[1][2] == "error" and "ValueError: boom" in rows[1][5]

@@ -35,6 +35,7 @@ from rollout.runtime.run_state import RunState
 from rollout.runtime.sharding import shard_learner
 from rollout.seeds import derive_seed
 from rollout.storage.writer import BackgroundWriter
+from rollout.tracing import span
 
 log = logging.getLogger("rollout.offline")
 
@@ -88,7 +89,8 @@ def train(ctx: WorkerContext, writer: BackgroundWriter) -> None:
             ctx.activity.at_step(step)
         rows = run.stream.take(per_rank)
         log.debug("step %d samples %s", step, ",".join(f"{r.epoch}:{r.index}" for r in rows))
-        metrics, tokens = _optimizer_step(ctx, run, [r.index for r in rows])
+        with span("learn"):  # the online loops' name for the update (PhaseClock's phase)
+            metrics, tokens = _optimizer_step(ctx, run, [r.index for r in rows])
         elapsed = time.perf_counter() - started
         metrics["perf/step_s"] = elapsed
         metrics["perf/samples_per_s"] = per_rank * ctx.world_size / elapsed

@@ -14,6 +14,7 @@ import torch
 from rollout.engines.base import Completion, Engine, SamplingParams
 from rollout.harness.reward_runner import RewardRunner
 from rollout.runtime.online.batches import RolloutBatch, Sample
+from rollout.tracing import span
 
 Row = Mapping[str, Any]
 
@@ -70,16 +71,20 @@ class Actor:
         prompt_ids = [self._encode(text) for text in prompts]
         params = SamplingParams(**{**self.params.__dict__, "seed": seed})
         started = time.perf_counter()
-        completions = self.engine.generate(prompt_ids, params)
+        with span("generate"):
+            completions = self.engine.generate(prompt_ids, params)
         generate_s = time.perf_counter() - started
 
         scoring_started = time.perf_counter()
         group = params.n
         owners = [c.prompt_index for c in completions]
         texts = [c.text for c in completions]
-        scores = self.rewards.score(
-            [prompts[i] for i in owners], texts, [self.format.reward_row(rows[i]) for i in owners]
-        )
+        with span("score"):
+            scores = self.rewards.score(
+                [prompts[i] for i in owners],
+                texts,
+                [self.format.reward_row(rows[i]) for i in owners],
+            )
         rewards = torch.tensor(scores.total, dtype=torch.float32, device="cpu")
         batch = RolloutBatch(
             prompt_ids=[prompt_ids[i] for i in owners],

@@ -38,6 +38,7 @@ from rollout.runtime.online.batches import RolloutBatch
 from rollout.serve.loading import served_engine
 from rollout.serve.recording import CompletionRecorder, RecordedCompletion
 from rollout.serve.server import OpenAIServer
+from rollout.tracing import span
 
 log = logging.getLogger("rollout.agents")
 
@@ -162,9 +163,11 @@ class AgentActor:
         """Run ``params.n`` episodes of each row; score them; compute advantages."""
         group = self.params.n
         started = time.perf_counter()
-        episodes = self._play([dict(row) for row in rows for _ in range(group)])
+        with span("generate"):  # the agent programs, and what they were served
+            episodes = self._play([dict(row) for row in rows for _ in range(group)])
         scoring = time.perf_counter()
-        returns = self._returns(episodes)
+        with span("score"):
+            returns = self._returns(episodes)
         advantages = self.advantage(returns, group).float()
         batch = self._batch(episodes, returns, advantages, group)
         metrics = self._metrics(episodes, returns, scoring - started)

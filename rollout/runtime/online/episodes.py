@@ -31,6 +31,7 @@ from rollout.harness.reward_runner import RewardRunner
 from rollout.runtime.online.actor import PromptFormat, Rollout, Row, Sample
 from rollout.runtime.online.batches import RolloutBatch
 from rollout.seeds import derive_seed
+from rollout.tracing import span
 
 log = logging.getLogger("rollout.episodes")
 
@@ -181,10 +182,12 @@ class EpisodeActor:
         group = self.params.n
         started = time.perf_counter()
         records = [self.format.reward_row(row) for row in rows for _ in range(group)]
-        episodes = self._start(records, seed)
-        generate_s, finishes = self._play(episodes, seed, self.params)
+        with span("generate"):  # the episodes: the policy's turns and the environment's
+            episodes = self._start(records, seed)
+            generate_s, finishes = self._play(episodes, seed, self.params)
         scoring_started = time.perf_counter()
-        batch = self._batch(episodes, group)
+        with span("score"):
+            batch = self._batch(episodes, group)
         metrics = _episode_metrics(episodes, batch.rewards, finishes, generate_s)
         metrics["perf/score_s"] = time.perf_counter() - scoring_started
         metrics["perf/episode_s"] = time.perf_counter() - started
