@@ -283,10 +283,15 @@ def _failure(status: dict, limits: Limits, stderr: str) -> str | None:
         return f"file size: wrote past {limits.file_bytes} bytes"
     if sig is not None:
         return f"signal: killed by {_signal_name(sig)}"
-    last = stderr.strip().splitlines()[-1] if stderr.strip() else ""
-    if last.startswith("MemoryError"):
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    if lines and lines[-1].startswith("MemoryError"):
         return f"memory: ran out of its {limits.memory_bytes} bytes of address space"
-    if last.startswith("BlockingIOError") and "Resource temporarily unavailable" in last:
+    # Every process of a fork bomb writes its traceback to the one stderr, interleaved: the
+    # limit's error is some line, not always the last.
+    if any(
+        line.startswith("BlockingIOError") and "Resource temporarily unavailable" in line
+        for line in lines
+    ):
         return f"processes: reached the limit of {limits.processes} processes"
     return None
 
