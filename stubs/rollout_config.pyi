@@ -1127,6 +1127,20 @@ class RewardSpec(TypedDict):
     """Longest one call may take; past it the step stops with an error naming the plugin.
 
     Range: > 0. Default: 30.0."""
+    isolation: NotRequired[Literal["in_process", "sidecar"]]
+    """Where the function runs. 'in_process': in the worker, the fastest; a call past timeout_s
+    stops the step, but code stuck in C or holding the GIL (a backtracking regex) is not
+    interrupted, and a segfault ends the worker. 'sidecar': in a process of its own
+    (docs/sidecar.md), killed at timeout_s and restarted with the batch resubmitted once; a
+    crash is survived the same way. Costs a round trip per batch.
+
+    Default: 'in_process'."""
+    python: NotRequired[str | None]
+    """With isolation = 'sidecar': the Python interpreter the sidecar runs (e.g.
+    '/opt/venvs/judge/bin/python'); rollout and the plugin must import there. Default: the
+    Python running rollout. Only with a sidecar.
+
+    Default: None."""
     allow_unsandboxed: NotRequired[bool]
     """Let a reward that runs model-written code (code_tests, or a function with runs_model_code
     = True) run although this host's sandbox lacks a capability (network isolation, ...): the

@@ -785,6 +785,22 @@ def reward_models_take_no_function_settings(config: RunConfig) -> Iterator[Issue
                 value=spec.options,
                 hint=f"remove rewards[{i}].options",
             )
+        if spec.model is not None and spec.fn is None and spec.isolation == "sidecar":
+            yield Issue(
+                f"rewards[{i}].isolation",
+                "a reward model runs in the worker, on its device; only a reward function can "
+                "run in a sidecar",
+                value="sidecar",
+                hint=f"remove rewards[{i}].isolation",
+            )
+        if spec.python is not None and spec.isolation != "sidecar":
+            yield Issue(
+                f"rewards[{i}].python",
+                "python names the interpreter of a sidecar, and this reward runs in the worker "
+                "(isolation = 'in_process')",
+                value=spec.python,
+                hint=f'set rewards[{i}].isolation = "sidecar", or remove rewards[{i}].python',
+            )
         if spec.model is not None and spec.fn is None and spec.allow_unsandboxed:
             yield Issue(
                 f"rewards[{i}].allow_unsandboxed",

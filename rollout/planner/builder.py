@@ -58,6 +58,7 @@ from rollout.planner.placement import build_graph, max_restarts
 from rollout.planner.reward_model import model_directory_of, resolve_reward_model
 from rollout.planner.reward_sandbox import reward_sandbox
 from rollout.planner.runnable import run_refusals
+from rollout.planner.sidecar_check import sidecar_issues, sidecar_python
 from rollout.planner.store_check import store_issues
 from rollout.planner.tools import resolve_tools
 from rollout.planner.trackers import tracker_issues
@@ -283,8 +284,11 @@ def _resolve_rewards(
         if resolved is None:
             continue
         sandbox = reward_sandbox(spec, i, resolved.fn, issues)
+        isolation = _sidecar(spec, i, resolved.identity, base, issues)
         records.append(
-            FunctionRewardRecord(**_reward_settings(spec, resolved.identity), sandbox=sandbox)
+            FunctionRewardRecord(
+                **_reward_settings(spec, resolved.identity), sandbox=sandbox, **isolation
+            )
         )
         accepted = accepted_keywords(resolved.fn)
         readers = None if readers is None or accepted is None else readers | accepted
@@ -433,6 +437,18 @@ def _plays(config: RunConfig) -> bool:
     the rows)."""
     env = config.environment
     return env is not None and not env.is_single_turn and not env.is_tools
+
+
+def _sidecar(
+    spec: RewardSpec, index: int, identity: PluginIdentity, base: Path, issues: list[Issue]
+) -> dict[str, Any]:
+    """The record's isolation settings; a sidecar is started and pinged here first."""
+    if spec.isolation != "sidecar":
+        return {}
+    python, problem = sidecar_python(spec, index, base)
+    found = [problem] if problem is not None else sidecar_issues(spec, index, identity, python)
+    issues.extend(found)
+    return {"isolation": "sidecar", "python": python}
 
 
 def _reward_model(spec: RewardSpec, base: Path, used_by: str) -> ModelRewardRecord:
