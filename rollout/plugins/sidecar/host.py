@@ -174,8 +174,7 @@ class SidecarHost:
         failures = []
         for _attempt in range(2):
             if self._process is None or self._process.poll() is not None:
-                if self._process is not None:
-                    self.restarts += 1
+                self.restarts += self._process is not None or bool(failures)
                 self.start()
             try:
                 return self._exchange(message, timeout_s)
