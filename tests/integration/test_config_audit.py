@@ -1096,6 +1096,23 @@ SECTION_CASES: dict[str, list[Case]] = {
         ),
         refused("grpo", {"rewards[0].allow_unsandboxed": True}),
     ],
+    # The sidecar's behaviour (killed at its deadline, restarted, resubmitted) is
+    # tests/unit/test_sidecar_host.py's; tests/integration/test_run_sidecar.py runs one.
+    "rewards[].isolation": [
+        plan_shows(
+            "grpo", {"rewards[0].isolation": "sidecar"}, lambda plan: plan.rewards[0].isolation
+        ),
+        refused("grpo", {"rewards[0].isolation": "sidecar"}, base=REWARD_MODEL),
+    ],
+    "rewards[].python": [
+        refused("grpo", {"rewards[0].python": sys.executable}),
+        refused("grpo", {"rewards[0].python": "./no-python", "rewards[0].isolation": "sidecar"}),
+        plan_shows(
+            "grpo",
+            {"rewards[0].python": sys.executable, "rewards[0].isolation": "sidecar"},
+            lambda plan: plan.rewards[0].python,
+        ),
+    ],
     "rewards[].timeout_s": [
         run_shows("grpo", {"rewards[1].timeout_s": 0.02}, timed_out, base=SLOW_REWARD, fails=True),
         run_shows("grpo", {"rewards[0].timeout_s": 1e-6}, timed_out, base=REWARD_MODEL, fails=True),
