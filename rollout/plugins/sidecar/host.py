@@ -76,6 +76,8 @@ class SidecarHost:
     """One sidecar process for the plugin `name`, started by `argv`.
 
     start_timeout_s: how long the child may take to load its plugin and say Hello.
+    echo_stderr: pass the child's stderr on to ours (its last lines are quoted in errors either
+    way).
     """
 
     def __init__(
@@ -86,12 +88,14 @@ class SidecarHost:
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         env: dict[str, str] | None = None,
         cwd: str | None = None,
+        echo_stderr: bool = True,
     ):
         self.argv = list(argv)
         self.name = name
         self.start_timeout_s = start_timeout_s
         self.env = env
         self.cwd = cwd
+        self.echo_stderr = echo_stderr
         self.hello: Hello | None = None
         self.restarts = 0
         self._ids = itertools.count(1)
@@ -247,10 +251,12 @@ class SidecarHost:
         """Pass the child's stderr on to ours, keeping its last lines for error messages."""
         assert process.stderr is not None
         lines = self._stderr
-        for raw in process.stderr:
-            line = raw.decode("utf-8", "replace").rstrip()
-            lines.append(line)
-            print(f"[sidecar {self.name}] {line}", file=sys.stderr)
+        with contextlib.suppress(OSError, ValueError):  # closed under us by _kill
+            for raw in process.stderr:
+                line = raw.decode("utf-8", "replace").rstrip()
+                lines.append(line)
+                if self.echo_stderr:
+                    print(f"[sidecar {self.name}] {line}", file=sys.stderr)
 
     def _next(self, deadline: float) -> tuple[str, Any]:
         try:
