@@ -292,6 +292,19 @@ class EnvironmentSection(TypedDict):
     """The return of an episode its environment failed (on_error = 'fail_episode').
 
     Default: 0.0."""
+    isolation: NotRequired[Literal["in_process", "sidecar"]]
+    """Where a plugin environment runs: in the worker ('in_process'), or in a process of its own
+    ('sidecar', docs/sidecar.md), killed when a reset or step passes timeout_s and restarted
+    at the next reset (a hung or crashed step fails as on_error says; a reset is retried
+    once). Only for a plugin environment (not single_turn, tools or agent) that keeps no
+    episodic memory.
+
+    Default: 'in_process'."""
+    python: NotRequired[str | None]
+    """With isolation = 'sidecar': the Python interpreter the sidecar runs; rollout and the
+    plugin must import there. Default: the Python running rollout.
+
+    Default: None."""
     tools: NotRequired[list[ToolSpec]]
     """The tools of the 'tools' environment ([[environment.tools]] tables), at least one; other
     environments take none."""

@@ -300,6 +300,11 @@ class Plan(Frozen):
         default=None,
         description="What config.environment.name resolved to; None without [environment].",
     )
+    environment_python: str | None = Field(
+        default=None,
+        description="With environment.isolation = 'sidecar': the interpreter its sidecar "
+        "runs, resolved at plan time (None: the worker's own Python).",
+    )
     tools: list[ToolRecord] = Field(
         default_factory=list, description="config.environment.tools resolved, in order."
     )

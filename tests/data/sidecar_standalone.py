@@ -32,18 +32,21 @@ def main():
     log = args[args.index("--log") + 1] if "--log" in args else None
     marker = args[args.index("--crash-once") + 1] if "--crash-once" in args else None
     inp, out = sys.stdin.buffer, sys.stdout.buffer
-    write(out, {
-        "type": "hello",
-        "protocol": "rollout-sidecar",
-        "version": 1,
-        "plugin": "standalone:length",
-        "pid": os.getpid(),
-        "parameters": [
-            {"name": "prompts", "kind": "POSITIONAL_OR_KEYWORD"},
-            {"name": "completions", "kind": "POSITIONAL_OR_KEYWORD"},
-            {"name": "scale", "kind": "KEYWORD_ONLY", "has_default": True},
-        ],
-    })
+    write(
+        out,
+        {
+            "type": "hello",
+            "protocol": "rollout-sidecar",
+            "version": 1,
+            "plugin": "standalone:length",
+            "pid": os.getpid(),
+            "parameters": [
+                {"name": "prompts", "kind": "POSITIONAL_OR_KEYWORD"},
+                {"name": "completions", "kind": "POSITIONAL_OR_KEYWORD"},
+                {"name": "scale", "kind": "KEYWORD_ONLY", "has_default": True},
+            ],
+        },
+    )
     while True:
         message = read(inp)
         if message is None or message["type"] == "shutdown":
@@ -60,11 +63,20 @@ def main():
         _prompts, completions = message["args"]
         scale = message["kwargs"].get("scale", 1.0)
         if scale < 0:
-            write(out, {"type": "error", "id": message["id"], "kind": "ValueError",
-                        "message": "scale must not be negative"})
+            write(
+                out,
+                {
+                    "type": "error",
+                    "id": message["id"],
+                    "kind": "ValueError",
+                    "message": "scale must not be negative",
+                },
+            )
             continue
-        write(out, {"type": "result", "id": message["id"],
-                    "value": [scale * len(c) for c in completions]})
+        write(
+            out,
+            {"type": "result", "id": message["id"], "value": [scale * len(c) for c in completions]},
+        )
 
 
 if __name__ == "__main__":

@@ -1076,6 +1076,27 @@ SECTION_CASES: dict[str, list[Case]] = {
         )
     ],
     "environment.tool_format": [run_shows("grpo", {"environment.tool_format": "json"}, base=TOOLS)],
+    # Killed at its deadline in a sidecar ("(killed)"), where in-process the step only stops
+    # waiting ("did not return within"); the rest is tests/unit/test_sidecar_environment.py's.
+    "environment.isolation": [
+        run_shows(
+            "grpo",
+            {"environment.isolation": "sidecar", "environment.timeout_s": 0.01},
+            lambda run: "(killed)" in (run.error or ""),
+            base=CHARS,
+            fails=True,
+        ),
+        refused("grpo", {"environment.isolation": "sidecar"}, base=TOOLS),
+    ],
+    "environment.python": [
+        refused("grpo", {"environment.python": sys.executable}, base=CHARS),
+        plan_shows(
+            "grpo",
+            {"environment.python": sys.executable, "environment.isolation": "sidecar"},
+            lambda plan: plan.environment_python,
+            base=CHARS,
+        ),
+    ],
     "environment.allow_unsandboxed": [
         plan_shows(
             "grpo",

@@ -22,6 +22,7 @@ import contextlib
 import ctypes
 import inspect
 import itertools
+import json
 import os
 import queue
 import signal
@@ -172,11 +173,14 @@ class SidecarHost:
         method: str = "__call__",
         timeout_s: float,
         what: str = "a call",
+        retry: bool = True,
     ) -> Any:
-        """The plugin's answer to one batch. `what` describes the batch in errors."""
+        """The plugin's answer to one batch. `what` describes the batch in errors. retry: send
+        the batch once more to a restarted child after a hang or crash (False for a call that
+        needs state the dead child took with it, such as an environment's step)."""
         message = Call(id=next(self._ids), method=method, args=list(args), kwargs=kwargs or {})
-        failures = []
-        for _attempt in range(2):
+        failures: list[str] = []
+        for _attempt in range(2 if retry else 1):
             if self._process is None or self._process.poll() is not None:
                 self.restarts += self._process is not None or bool(failures)
                 self.start()
@@ -185,6 +189,11 @@ class SidecarHost:
             except _Lost as lost:
                 failures.append(str(lost))
                 self._kill()
+        if not retry:
+            raise SidecarError(
+                f"sidecar for {self.name!r} failed on {what} (call {message.id}): "
+                f"{failures[0]}{self._log()}"
+            )
         raise SidecarError(
             f"sidecar for {self.name!r} failed on {what} (call {message.id}) twice, restarted "
             f"in between: {failures[0]}; then {failures[1]}{self._log()}"
@@ -364,9 +373,12 @@ class SidecarCallable:
         self.host.close()
 
 
-def server_argv(python: str | None, ref: str, identity_json: str) -> list[str]:
-    """How to start rollout's own server for a plugin the plan resolved."""
-    return [
+def server_argv(
+    python: str | None, ref: str, identity_json: str, build: dict[str, Any] | None = None
+) -> list[str]:
+    """How to start rollout's own server for a plugin the plan resolved; `build`: keyword
+    arguments to build the served object with (an environment's options)."""
+    argv = [
         python or sys.executable,
         "-m",
         "rollout.plugins.sidecar.server",
@@ -374,6 +386,7 @@ def server_argv(python: str | None, ref: str, identity_json: str) -> list[str]:
         "--identity",
         identity_json,
     ]
+    return argv if build is None else [*argv, "--build", json.dumps(build)]
 
 
 def _die_with(parent: int):  # type: ignore[no-untyped-def]

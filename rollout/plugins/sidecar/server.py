@@ -1,4 +1,4 @@
-"""The child side: ``python -m rollout.plugins.sidecar.server REF --identity JSON``.
+"""The child side: ``python -m rollout.plugins.sidecar.server REF --identity JSON [--build JSON]``.
 
 Loads the plugin the planner resolved (rollout.plugins.resolve.load_plugin, by its recorded
 identity), says Hello, then answers Calls one at a time until Shutdown or EOF on stdin (the host
@@ -10,6 +10,7 @@ write to fd 1) lands in the log instead of corrupting the channel.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import os
@@ -85,11 +86,20 @@ def _answer(plugin: Any, call: Call) -> Result | Error:
         target: Callable[..., Any] = (
             plugin if call.method == "__call__" else getattr(plugin, call.method)
         )
-        value = target(*call.args, **call.kwargs)
+        value = _plain(target(*call.args, **call.kwargs))
         json.dumps(value, allow_nan=False)  # refuse here what the channel cannot carry
         return Result(id=call.id, value=value)
     except Exception as error:  # the plugin's failure is an answer; the child stays up
         return Error(id=call.id, kind=type(error).__name__, message=_describe(error))
+
+
+def _plain(value: Any) -> Any:
+    """Dataclass instances (an environment's StepResults) as dicts, inside lists too."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value
 
 
 def _describe(error: Exception) -> str:
@@ -118,6 +128,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--identity", required=True, help="the PluginIdentity the plan recorded, as JSON"
     )
+    parser.add_argument(
+        "--build",
+        help="keyword arguments (JSON) to call the loaded callable with once: the object it "
+        "returns is served (an environment built from its options)",
+    )
     args = parser.parse_args(argv)
     channel_in, channel_out = take_channel()
     from rollout.errors import RolloutError
@@ -128,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     except RolloutError as error:  # the host shows our stderr's last lines: no traceback
         print(f"cannot load the plugin: {error}", file=sys.stderr)
         sys.exit(2)
+    if args.build is not None:
+        plugin = plugin(**json.loads(args.build))
     serve(plugin, args.ref, channel_in, channel_out)
 
 
