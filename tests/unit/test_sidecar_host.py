@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -204,6 +205,20 @@ def test_close_ends_the_child_and_what_it_started(sidecar, plugin_file):
     with_child.close()
     assert not alive(pid)
     _wait_until(lambda: not alive(grandchild))
+
+
+def test_a_sidecar_started_from_a_thread_that_ends_lives_on(sidecar):
+    """PR_SET_PDEATHSIG follows the thread that forked the child: children are forked from one
+    long-lived thread, so a caller's short-lived thread ending does not kill its sidecar."""
+    made = []
+    thread = threading.Thread(target=lambda: made.append(sidecar("length")))
+    thread.start()
+    thread.join()
+    [length] = made
+    time.sleep(0.2)  # let a PDEATHSIG, if one were due, land before the call
+    assert alive(length.host.pid)
+    assert length(PROMPTS, COMPLETIONS) == [3.0, 5.0, 9.0]
+    assert length.host.restarts == 0
 
 
 HOST_SCRIPT = """

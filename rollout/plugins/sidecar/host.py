@@ -10,14 +10,15 @@ batch. What the plugin raises is not retried: it answered, and would answer the 
 No child outlives its host: the child asks the kernel for SIGKILL when the host dies
 (PR_SET_PDEATHSIG, set between fork and exec, so a sidecar in any language gets it), the host
 kills the group on close() and at interpreter exit, and a healthy child exits at EOF on stdin.
-PR_SET_PDEATHSIG fires when the *thread* that started the child ends: start and call a host
-from a long-lived thread (the worker's main thread does).
+PR_SET_PDEATHSIG fires when the *thread* that forked the child ends, so every child is forked
+from one thread that lives as long as the process (_spawner).
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import concurrent.futures
 import contextlib
 import ctypes
 import inspect
@@ -100,6 +101,7 @@ class SidecarHost:
         self.hello: Hello | None = None
         self.restarts = 0
         self._ids = itertools.count(1)
+        self._lock = threading.RLock()
         self._process: subprocess.Popen[bytes] | None = None
         self._frames: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._stderr: collections.deque[str] = collections.deque(maxlen=_STDERR_LINES)
@@ -112,17 +114,19 @@ class SidecarHost:
         self._kill()
         self._frames = queue.Queue()
         self._stderr = collections.deque(maxlen=_STDERR_LINES)
+        spawn = _spawner().submit(
+            subprocess.Popen,
+            self.argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=self.env,
+            cwd=self.cwd,
+            start_new_session=True,  # its own group: killed with whatever it started
+            preexec_fn=_die_with(os.getpid()),
+        )
         try:
-            self._process = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=self.env,
-                cwd=self.cwd,
-                start_new_session=True,  # its own group: killed with whatever it started
-                preexec_fn=_die_with(os.getpid()),
-            )
+            self._process = spawn.result()
         except OSError as error:
             raise SidecarError(
                 f"sidecar for {self.name!r}: cannot start {self.argv[0]}: {error}"
@@ -178,7 +182,19 @@ class SidecarHost:
         """The plugin's answer to one batch. `what` describes the batch in errors. retry: send
         the batch once more to a restarted child after a hang or crash (False for a call that
         needs state the dead child took with it, such as an environment's step)."""
-        message = Call(id=next(self._ids), method=method, args=list(args), kwargs=kwargs or {})
+        with self._lock:  # one call at a time: answers come back in order
+            return self._call(method, list(args), kwargs or {}, timeout_s, what, retry)
+
+    def _call(
+        self,
+        method: str,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        timeout_s: float,
+        what: str,
+        retry: bool,
+    ) -> Any:
+        message = Call(id=next(self._ids), method=method, args=args, kwargs=kwargs)
         failures: list[str] = []
         for _attempt in range(2 if retry else 1):
             if self._process is None or self._process.poll() is not None:
@@ -201,13 +217,16 @@ class SidecarHost:
 
     def ping(self, timeout_s: float = 10.0) -> None:
         """A round trip; SidecarError if the child does not answer in time."""
-        if self._process is None:
-            self.start()
-        try:
-            self._exchange(Ping(id=next(self._ids)), timeout_s)
-        except _Lost as lost:
-            self._kill()
-            raise SidecarError(f"sidecar for {self.name!r} failed a health check: {lost}") from None
+        with self._lock:
+            if self._process is None:
+                self.start()
+            try:
+                self._exchange(Ping(id=next(self._ids)), timeout_s)
+            except _Lost as lost:
+                self._kill()
+                raise SidecarError(
+                    f"sidecar for {self.name!r} failed a health check: {lost}"
+                ) from None
 
     def _exchange(self, message: Call | Ping, timeout_s: float) -> Any:
         process = self._process
@@ -387,6 +406,24 @@ def server_argv(
         identity_json,
     ]
     return argv if build is None else [*argv, "--build", json.dumps(build)]
+
+
+_SPAWNER: concurrent.futures.ThreadPoolExecutor | None = None
+_SPAWNER_LOCK = threading.Lock()
+
+
+def _spawner() -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread every sidecar is started from. PR_SET_PDEATHSIG fires when the *thread*
+    that forked the child ends, so a child started from a short-lived thread (a deadline
+    thread, a pool's worker) would be killed with it; this thread lives as long as the
+    process."""
+    global _SPAWNER
+    with _SPAWNER_LOCK:
+        if _SPAWNER is None:
+            _SPAWNER = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="rollout-sidecar-spawn"
+            )
+        return _SPAWNER
 
 
 def _die_with(parent: int):  # type: ignore[no-untyped-def]
