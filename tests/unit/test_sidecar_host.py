@@ -191,6 +191,14 @@ def test_what_the_plugin_raises_is_an_error_naming_it_and_its_line_without_a_res
     assert raises.host.restarts == 0
 
 
+def test_arguments_json_cannot_carry_are_an_error_naming_the_plugin(sidecar):
+    length = sidecar("length")
+    with pytest.raises(SidecarError) as caught:
+        length(PROMPTS, COMPLETIONS, scale=object())
+    assert "'length': a batch of 3 samples cannot be sent as JSON" in str(caught.value)
+    assert length(PROMPTS, COMPLETIONS) == [3.0, 5.0, 9.0]  # nothing was sent; it is still up
+
+
 def test_a_result_json_cannot_carry_is_an_error_not_a_silent_null(sidecar):
     with pytest.raises(SidecarPluginError, match="nan or inf"):
         sidecar("not_json")(PROMPTS, COMPLETIONS)

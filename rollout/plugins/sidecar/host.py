@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic_core import PydanticSerializationError
 
 from rollout.plugins.sidecar.protocol import (
     FROM_CHILD,
@@ -195,13 +196,20 @@ class SidecarHost:
         retry: bool,
     ) -> Any:
         message = Call(id=next(self._ids), method=method, args=args, kwargs=kwargs)
+        try:
+            frame = encode(message)
+        except (PydanticSerializationError, ValueError) as error:
+            raise SidecarError(
+                f"sidecar for {self.name!r}: {what} cannot be sent as JSON: {error}"
+            ) from None
         failures: list[str] = []
         for _attempt in range(2 if retry else 1):
             if self._process is None or self._process.poll() is not None:
-                self.restarts += self._process is not None or bool(failures)
+                if self.hello is not None:  # it ran before: this start is a restart
+                    self.restarts += 1
                 self.start()
             try:
-                return self._exchange(message, timeout_s)
+                return self._exchange(message, frame, timeout_s)
             except _Lost as lost:
                 failures.append(str(lost))
                 self._kill()
@@ -221,18 +229,19 @@ class SidecarHost:
             if self._process is None:
                 self.start()
             try:
-                self._exchange(Ping(id=next(self._ids)), timeout_s)
+                ping = Ping(id=next(self._ids))
+                self._exchange(ping, encode(ping), timeout_s)
             except _Lost as lost:
                 self._kill()
                 raise SidecarError(
                     f"sidecar for {self.name!r} failed a health check: {lost}"
                 ) from None
 
-    def _exchange(self, message: Call | Ping, timeout_s: float) -> Any:
+    def _exchange(self, message: Call | Ping, frame: bytes, timeout_s: float) -> Any:
         process = self._process
         assert process is not None and process.stdin is not None
         try:
-            process.stdin.write(encode(message))
+            process.stdin.write(frame)
             process.stdin.flush()
         except OSError:
             pass  # it died; reading says how
