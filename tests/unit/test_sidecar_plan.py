@@ -107,3 +107,21 @@ def test_a_sidecar_that_cannot_start_fails_the_plan_naming_the_reward(
     message = issues_of(caught.value)["rewards[0].isolation"]
     assert "health check" in message and "'answer_length'" in message
     assert "No module named rollout" in message
+
+
+def test_rollout_plan_explain_says_where_each_plugin_runs(config_file, sidecar_config, tmp_path):
+    from typer.testing import CliRunner
+
+    from rollout.cli.app import app
+
+    sidecar_config["rewards"].append({"fn": "numeric_match"})
+    lock = tmp_path / "plan.lock"
+    result = CliRunner().invoke(
+        app,
+        ["plan", "--config", str(config_file(sidecar_config)), "-o", str(lock), "--explain"],
+        env={"COLUMNS": "250"},
+    )
+    assert result.exit_code == 0, result.output
+    rows = {line.split("│")[1].strip(): line for line in result.output.splitlines() if "│" in line}
+    assert "sidecar (this python)" in rows["rewards[0].fn"]
+    assert "worker" in rows["rewards[1].fn"]
