@@ -171,6 +171,17 @@ def test_a_child_that_dies_before_its_hello_shows_its_last_words(tmp_path):
     assert "No module named 'judge'" in message
 
 
+def test_a_stderr_flood_is_passed_on_and_quoted_short(tmp_path):
+    body = """
+        sys.stderr.write("x" * 5_000_000)
+        sys.stderr.flush()
+        sys.exit(4)
+        """
+    message = start_error(child(tmp_path, body))
+    assert "exited with code 4" in message and "xxx…" in message
+    assert len(message) < 3000
+
+
 def test_an_interpreter_that_does_not_exist_is_a_clear_error(tmp_path):
     host = SidecarHost([str(tmp_path / "no-python")], name="faulty")
     message = start_error(host)

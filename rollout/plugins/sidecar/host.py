@@ -289,7 +289,8 @@ class SidecarHost:
         assert process.stderr is not None
         lines = self._stderr
         with contextlib.suppress(OSError, ValueError):  # closed under us by _kill
-            for raw in process.stderr:
+            # At most 64 KiB at a time: a child writing without newlines cannot fill our memory.
+            for raw in iter(lambda: process.stderr.readline(65536), b""):  # type: ignore[union-attr]
                 line = raw.decode("utf-8", "replace").rstrip()
                 lines.append(line)
                 if self.echo_stderr:
@@ -313,7 +314,7 @@ class SidecarHost:
 
     def _log(self) -> str:
         time.sleep(0.05)  # let the stderr thread catch the child's last words
-        lines = [line for line in self._stderr if line.strip()]
+        lines = [_short_text(line) for line in self._stderr if line.strip()]
         return "; its stderr ended with:\n  " + "\n  ".join(lines[-8:]) if lines else ""
 
     def _command(self) -> str:
@@ -458,6 +459,10 @@ def _exit_text(code: int | None) -> str:
         except ValueError:
             return f"on signal {-code}"
     return f"with code {code}"
+
+
+def _short_text(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _short(value: Any, limit: int = 120) -> str:
