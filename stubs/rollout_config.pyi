@@ -720,6 +720,14 @@ class LoggingSection(TypedDict):
     steps and checkpoint steps); evaluation metrics are always recorded.
 
     Range: ≥ 1. Default: 1."""
+    samples_per_step: NotRequired[int]
+    """Online runs: record this many sample completions (prompt, completion or a multi-turn
+    episode's turns, reward) of each recorded training step in the run store, for `rollout
+    report`'s trajectory viewer; the first ones of the step's batch on the first learner's
+    actor. 0: none. Offline runs (sft, dpo, ...) sample nothing: leave it unset. See
+    docs/reports.md.
+
+    Range: ≥ 0, ≤ 1024. Default: 4."""
     wandb_project: NotRequired[str | None]
     """Weights & Biases project (wandb tracker only).
 

@@ -19,6 +19,8 @@ from rollout.cli import (
     logs,
     memory,
     plan,
+    plugins,
+    report,
     run,
     runs,
     schema,
@@ -45,6 +47,7 @@ COMMAND_ORDER = (
     "generate",
     "eval",
     "serve",
+    "plugins",
     "schema",
 )
 
@@ -85,6 +88,7 @@ app.command()(validate.validate)
 app.add_typer(plan.plan_app, name="plan")
 app.command()(run.run)
 app.add_typer(runs.runs)
+app.command()(report.report)
 app.add_typer(logs.logs)
 app.add_typer(checkpoints.checkpoints)
 app.add_typer(memory.memory)
@@ -92,6 +96,7 @@ app.add_typer(snapshot.snapshot)
 app.command()(generate.generate)
 app.command("eval")(eval.eval_command)
 app.command()(serve.serve)
+app.add_typer(plugins.plugins)
 app.command()(schema.schema)
 
 

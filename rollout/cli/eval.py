@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from typing import Annotated
 
 import typer
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from rollout.cli.bars import TokenRateBar
 from rollout.cli.generate import Device
 from rollout.cli.options import CheckpointOption, CheckpointStoreOption, ModelOption, local_path
 from rollout.cli.render import stderr, stdout, user_errors
@@ -148,19 +147,7 @@ class _ProgressView:
     """A progress bar per suite (rows done, tokens/s), fed by the job's hooks."""
 
     def __init__(self) -> None:
-        self.bar = Progress(
-            TextColumn("[bold]{task.description} {task.completed:.0f}/{task.total:.0f} rows"),
-            BarColumn(),
-            TextColumn("{task.fields[rate]}"),
-            TimeElapsedColumn(),
-            TextColumn("eta"),
-            TimeRemainingColumn(),
-            console=stderr,
-        )
-        self.task = None
-        self.tokens = 0
-        self.started = 0.0
-        self.running = False
+        self.bar = TokenRateBar(stderr, "rows")
 
     def hooks(self):  # -> rollout.inference.evaluate.Hooks
         from rollout.inference.evaluate import Hooks
@@ -168,25 +155,13 @@ class _ProgressView:
         return Hooks(
             on_status=stderr.print,
             on_suite=self.suite,
-            on_rows=self.rows,
+            on_rows=self.bar.update,
             on_suite_done=lambda name: None,
         )
 
     def suite(self, name: str, rows: int, samples: int) -> None:
         stderr.print(f"suite {escape(name)}: {rows} rows, {samples} sample(s) each")
-        if not self.running:
-            self.bar.start()
-            self.running = True
-        self.task = self.bar.add_task(escape(name), total=rows, rate="")
-        self.tokens, self.started = 0, time.perf_counter()
-
-    def rows(self, done: int, new_tokens: int) -> None:
-        self.tokens += new_tokens
-        elapsed = time.perf_counter() - self.started
-        rate = f"{self.tokens / elapsed:.1f} tok/s" if self.tokens and elapsed > 0 else ""
-        self.bar.update(self.task, completed=done, rate=rate)
+        self.bar.add_task(escape(name), total=rows)
 
     def stop(self) -> None:
-        if self.running:
-            self.bar.stop()
-            self.running = False
+        self.bar.stop()

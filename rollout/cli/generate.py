@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from enum import Enum
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from rollout.cli.bars import TokenRateBar
 from rollout.cli.options import (
     CheckpointOption,
     CheckpointStoreOption,
@@ -195,27 +194,17 @@ class _ProgressView:
     """A rich progress bar (prompts done, tokens/s, time left) fed by the job's hooks."""
 
     def __init__(self) -> None:
-        self.bar = Progress(
-            TextColumn("[bold]prompts {task.completed:.0f}/{task.total:.0f}"),
-            BarColumn(),
-            TextColumn("{task.fields[rate]}"),
-            TimeElapsedColumn(),
-            TextColumn("eta"),
-            TimeRemainingColumn(),
-            console=stderr,
-        )
-        self.task = None
-        self.done = self.total = self.tokens = 0
-        self.started = 0.0
-        self.running = False
+        self.bar = TokenRateBar(stderr, "")
+        self.done = self.total = 0
+
+    @property
+    def running(self) -> bool:
+        return self.bar.running
 
     def hooks(self):  # -> rollout.inference.batch.Hooks
         from rollout.inference.batch import Hooks
 
-        return Hooks(on_status=self.status, on_start=self.start, on_chunk=self.chunk)
-
-    def status(self, message: str) -> None:
-        stderr.print(message)
+        return Hooks(on_status=stderr.print, on_start=self.start, on_chunk=self.chunk)
 
     def start(self, job) -> None:
         self.done, self.total = job.prompts_done, job.prompts
@@ -224,21 +213,11 @@ class _ProgressView:
             f"generating {job.samples_per_prompt} sample(s) for each of {job.prompts} prompts "
             f"with {job.model} ({job.engine}, {job.device}) -> {job.out}{resumed}"
         )
-        self.task = self.bar.add_task(
-            "generate", total=job.prompts, completed=job.prompts_done, rate=""
-        )
-        self.started = time.perf_counter()
-        self.bar.start()
-        self.running = True
+        self.bar.add_task("prompts", total=job.prompts, completed=job.prompts_done)
 
     def chunk(self, prompts_done: int, new_tokens: int) -> None:
         self.done = prompts_done
-        self.tokens += new_tokens
-        elapsed = time.perf_counter() - self.started
-        rate = f"{self.tokens / elapsed:.1f} tok/s" if elapsed > 0 else ""
-        self.bar.update(self.task, completed=prompts_done, rate=rate)
+        self.bar.update(prompts_done, new_tokens)
 
     def stop(self) -> None:
-        if self.running:
-            self.bar.stop()
-            self.running = False
+        self.bar.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -220,6 +221,145 @@ def metrics(
             sparkline(values),
         )
     stdout.print(table)
+
+
+@runs.command()
+def compare(
+    run_a: Annotated[str, typer.Argument(metavar="RUN_A", help="The run to compare against.")],
+    run_b: Annotated[str, typer.Argument(metavar="RUN_B", help="The run compared with it.")],
+    metric: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--metric",
+            "-m",
+            help="A metric to compare, or a prefix ending in / (eval/); repeatable. Default: "
+            "every metric either run has.",
+        ),
+    ] = None,
+    last: Annotated[
+        int, typer.Option("--last", min=1, help="Steps the 'last N mean' column averages over.")
+    ] = 10,
+    store: StoreOption = None,
+    fmt: FormatOption = Format.text,
+) -> None:
+    """Two runs' metrics side by side: last value, best, mean over the last N steps, and B's
+    difference and ratio to A (on the last-N means)."""
+    with user_errors(fmt.value):
+        for run_id in (run_a, run_b):
+            check_run_id(run_id)
+        with reading(store) as (the_store, location):
+            for run_id in (run_a, run_b):
+                find_run(the_store, run_id, location)
+            series = {run_id: _series(the_store.metrics(run_id)) for run_id in (run_a, run_b)}
+        names = _chosen(sorted(set(series[run_a]) | set(series[run_b])), metric)
+    rows = [
+        compare_metric(name, series[run_a].get(name), series[run_b].get(name), last)
+        for name in names
+    ]
+    if fmt is Format.json:
+        stdout.print_json(
+            json.dumps({"a": run_a, "b": run_b, "last": last, "metrics": rows}, allow_nan=False)
+        )
+        return
+    if not rows:
+        stdout.print(f"neither {escape(run_a)} nor {escape(run_b)} has metrics to compare")
+        return
+    table = Table(
+        title=f"A = {run_a}   B = {run_b}", title_justify="left", box=None, pad_edge=False
+    )
+    table.add_column("metric", style="bold", no_wrap=True)
+    for column in ("A last", "B last", "A best", "B best", "A avg", "B avg", "B−A", "B/A"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for row in rows:
+        a, b = row["a"] or {}, row["b"] or {}
+        table.add_row(
+            ("↓ " if row["better"] == "lower" else "") + escape(row["metric"]),
+            _number(a.get("last")),
+            _number(b.get("last")),
+            _number(a.get("best")),
+            _number(b.get("best")),
+            _number(a.get("mean_last")),
+            _number(b.get("mean_last")),
+            _number(row["delta"]),
+            _number(row["ratio"]),
+        )
+    stdout.print(table)
+    stdout.print(
+        f"[dim]avg: the mean of the last {last} recorded steps; B−A and B/A compare the avgs; "
+        "best: the highest value, or the lowest for metrics marked ↓[/]"
+    )
+
+
+def _series(rows: Iterable[MetricRecord]) -> dict[str, list[float]]:
+    """Each metric's finite values in step order (NaN is a diverged step, not a value)."""
+    series: dict[str, list[float]] = {}
+    for row in rows:  # ordered by name, then step
+        if math.isfinite(row.value):
+            series.setdefault(row.name, []).append(row.value)
+    return series
+
+
+def _chosen(names: list[str], wanted: list[str] | None) -> list[str]:
+    if not wanted:
+        return names
+    chosen = []
+    for want in wanted:
+        found = [n for n in names if n == want or (want.endswith("/") and n.startswith(want))]
+        if not found:
+            raise RolloutError(
+                Issue(
+                    "--metric",
+                    f"neither run has a metric {want!r}",
+                    hint="`rollout runs metrics RUN_ID` lists a run's metrics",
+                )
+            )
+        chosen += [n for n in found if n not in chosen]
+    return chosen
+
+
+_LOWER_IS_BETTER = ("loss", "kl", "_s", "wait", "staleness", "error", "perplexity")
+
+
+def lower_is_better(name: str) -> bool:
+    """Losses, divergences, seconds and waits: the less the better; everything else more."""
+    leaf = name.rsplit("/", 1)[-1]
+    return any(leaf.endswith(mark) or leaf.startswith(mark) for mark in _LOWER_IS_BETTER)
+
+
+def compare_metric(
+    name: str, a: list[float] | None, b: list[float] | None, last: int
+) -> dict[str, Any]:
+    """One metric of two runs (each its values in step order, or None if it lacks it)."""
+    lower = lower_is_better(name)
+
+    def summary(values: list[float] | None) -> dict[str, float] | None:
+        if not values:
+            return None
+        tail = values[-last:]
+        return {
+            "last": values[-1],
+            "best": min(values) if lower else max(values),
+            "mean_last": sum(tail) / len(tail),
+            "steps": len(values),
+        }
+
+    sa, sb = summary(a), summary(b)
+    delta = ratio = None
+    if sa and sb:
+        delta = sb["mean_last"] - sa["mean_last"]
+        ratio = sb["mean_last"] / sa["mean_last"] if sa["mean_last"] else None
+    return {
+        "metric": name,
+        "better": "lower" if lower else "higher",
+        "a": sa,
+        "b": sb,
+        "delta": delta,
+        "ratio": ratio,
+    }
+
+
+def _number(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3g}"
 
 
 _BARS = "▁▂▃▄▅▆▇█"

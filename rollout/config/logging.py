@@ -35,6 +35,16 @@ class LoggingSection(ConfigModel):
         description="Record training-step metrics every this many steps (and always the last "
         "step, evaluation steps and checkpoint steps); evaluation metrics are always recorded.",
     )
+    samples_per_step: int = Field(
+        default=4,
+        ge=0,
+        le=1024,
+        description="Online runs: record this many sample completions (prompt, completion or a "
+        "multi-turn episode's turns, reward) of each recorded training step in the run store, "
+        "for `rollout report`'s trajectory viewer; the first ones of the step's batch on the "
+        "first learner's actor. 0: none. Offline runs (sft, dpo, ...) sample nothing: leave it "
+        "unset. See docs/reports.md.",
+    )
     wandb_project: str | None = Field(
         default=None, min_length=1, description="Weights & Biases project (wandb tracker only)."
     )

@@ -22,7 +22,7 @@ from rollout.config.data import FieldMap
 from rollout.config.environment import EnvironmentSection
 from rollout.config.evaluation import suite_issues
 from rollout.config.generation import GenerationSection
-from rollout.config.logging import TRACKER_OPTIONS
+from rollout.config.logging import TRACKER_OPTIONS, LoggingSection
 from rollout.config.model import ALL_LINEAR, LORA_MODULE_NAME, MODEL_SOURCES, is_hub_id, is_revision
 from rollout.config.root import RunConfig
 from rollout.errors import Issue
@@ -1038,6 +1038,20 @@ def store_backend_is_complete(config: RunConfig) -> Iterator[Issue]:
             "postgres_dsn is set but the backend is sqlite",
             value=storage.postgres_dsn,
             hint='set backend = "postgres" or remove it',
+        )
+
+
+@rule("logging", "algorithm")
+def samples_are_recorded(config: RunConfig) -> Iterator[Issue]:
+    value = config.logging.samples_per_step
+    default = LoggingSection.model_fields["samples_per_step"].default
+    if config.algorithm.kind not in ONLINE_KINDS and value != default:
+        yield Issue(
+            "logging.samples_per_step",
+            f"{config.algorithm.kind} runs train on a dataset and sample no completions, so "
+            "there are none to record",
+            value=value,
+            hint="remove logging.samples_per_step",
         )
 
 

@@ -45,6 +45,12 @@ def activity_file(run_dir: str | Path, rank: int) -> Path:
     return Path(run_dir) / "workers" / f"rank-{rank}.json"
 
 
+def stacks_file(run_dir: str | Path, rank: int) -> Path:
+    """Where a live worker writes every thread's stack when sent SIGUSR1 (a run that seems hung:
+    `kill -USR1 PID`, then read it); nothing the host reads as a failure."""
+    return Path(run_dir) / "workers" / f"rank-{rank}.stacks"
+
+
 @dataclass(frozen=True)
 class Death:
     """The rank whose end ended this attempt of the run, as far as the host can tell."""

@@ -27,7 +27,7 @@ import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 from rollout.errors import Issue, did_you_mean
 
@@ -35,6 +35,15 @@ _QUOTE_CHARS = 60
 
 SANDBOX_KEYWORD = "require_network_isolation"
 """What the worker passes a reward that runs model-written code: the plan's sandbox decision."""
+
+
+class RewardFn(Protocol):
+    """A reward plugin: what ``[[rewards]] fn`` names (the call this module describes)."""
+
+    def __call__(self, prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+        """One finite float per completion; kwargs: the dataset fields it names (lists, one entry
+        per completion) and its options."""
+        ...
 
 
 def runs_model_code(fn: Callable[..., Any]) -> bool:

@@ -254,13 +254,16 @@ def _resolve_rewards(
         accepted_keywords,
         check_reward_signature,
     )
-    from rollout.harness.rewards import BUILTIN_REWARDS
     from rollout.plugins.probe import probe_imports
+    from rollout.plugins.registry import KINDS, REWARD_GROUP
     from rollout.plugins.resolve import import_probe, resolve_plugin
 
+    builtins, group = KINDS["reward"].load_builtins(), REWARD_GROUP
     # A plugin whose import hangs or crashes the interpreter is found in a child process first.
     probes = [
-        import_probe(spec.fn, base_dir=base, used_by=f"rewards[{i}].fn", builtins=BUILTIN_REWARDS)
+        import_probe(
+            spec.fn, base_dir=base, used_by=f"rewards[{i}].fn", group=group, builtins=builtins
+        )
         for i, spec in enumerate(config.rewards)
         if spec.fn is not None
     ]
@@ -284,7 +287,7 @@ def _resolve_rewards(
         resolved = _collect(
             issues,
             lambda s=spec, u=used_by: resolve_plugin(
-                s.fn, base_dir=base, used_by=u, builtins=BUILTIN_REWARDS
+                s.fn, base_dir=base, used_by=u, group=group, builtins=builtins
             ),
         )
         if resolved is None:
@@ -321,32 +324,27 @@ def _resolve_environment(
 ) -> PluginIdentity | None:
     """What [environment] names, imported once here; its options checked against its signature
     (and a built-in built with them, so a bad value fails now rather than at step 1)."""
-    from rollout.harness.agents import AGENT, AgentSpec
-    from rollout.harness.environments import BUILTIN_ENVIRONMENTS, SINGLE_TURN
-    from rollout.harness.environments.single_turn import SingleTurn
-    from rollout.harness.environments.tools import TOOLS, ToolEnvironment
+    from rollout.harness.environments import BUILTIN_ENVIRONMENTS
     from rollout.harness.memory import takes_memory
     from rollout.plugins.probe import probe_imports
+    from rollout.plugins.registry import ENVIRONMENT_GROUP, KINDS
     from rollout.plugins.resolve import import_probe, resolve_plugin
 
     spec = config.environment
     if spec is None or config.algorithm.kind not in ONLINE_KINDS:
         return None
-    builtins = {
-        **BUILTIN_ENVIRONMENTS,
-        SINGLE_TURN: SingleTurn,
-        TOOLS: ToolEnvironment,
-        AGENT: AgentSpec,
+    where = {
+        "base_dir": base,
+        "used_by": "environment.name",
+        "group": ENVIRONMENT_GROUP,
+        "builtins": KINDS["environment"].load_builtins(),
     }
-    where = {"base_dir": base, "used_by": "environment.name", "builtins": builtins}
-    probe = import_probe(spec.name, group="rollout.environments", **where)
+    probe = import_probe(spec.name, **where)
     failed = probe_imports([probe] if probe is not None else [])
     if failed:
         issues.extend(failed.values())
         return None
-    resolved = _collect(
-        issues, lambda: resolve_plugin(spec.name, group="rollout.environments", **where)
-    )
+    resolved = _collect(issues, lambda: resolve_plugin(spec.name, **where))
     if resolved is None or spec.is_single_turn or spec.is_tools:
         return resolved.identity if resolved is not None else None
     if spec.is_agent:

@@ -85,13 +85,14 @@ def resolve_scorer(ref: str, base_dir: Path, used_by: str) -> tuple[Scorer, dict
     point in the group rollout.scorers), with its identity."""
     if ref in SCORERS:
         return SCORERS[ref], None
+    from rollout.plugins.registry import SCORER_GROUP
     from rollout.plugins.resolve import resolve_plugin
 
     resolved = resolve_plugin(
         ref,
         base_dir=base_dir,
         used_by=used_by,
-        group="rollout.scorers",
+        group=SCORER_GROUP,
         builtins={name: scorer.score for name, scorer in SCORERS.items()},
     )
     return FunctionScorer(ref, resolved.fn), resolved.identity.model_dump(mode="json")

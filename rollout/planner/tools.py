@@ -23,9 +23,10 @@ from rollout.harness.sandbox import SandboxReport, probe_sandbox
 from rollout.harness.tools import BUILTIN_TOOLS, Tool, Toolbox, plugin_tool
 from rollout.planner.definition import ToolRecord, ToolSandbox
 from rollout.plugins.probe import probe_imports
+from rollout.plugins.registry import TOOL_GROUP
 from rollout.plugins.resolve import import_probe, resolve_plugin
 
-GROUP = "rollout.tools"
+GROUP = TOOL_GROUP
 """The entry-point group a tool name is looked up in when it is not a built-in."""
 
 

@@ -6,7 +6,8 @@ does, with one difference: a worker on node K > 0 never opens the file. Its `Bac
 writes into a `ForwardingStore` instead, which publishes each of the writer's transactions as one
 JSON batch in the process group's store (torchrun's TCPStore, which node 0's agent hosts), and
 global rank 0 (always on node 0) runs a `Forwarder` thread that writes those batches into the
-SQLite store. The code that records (`write_metrics`, `write_log`, `write_checkpoint`, the
+SQLite store. The code that records (`write_metrics`, `write_log`, `write_samples`,
+`write_checkpoint`, the
 trackers) sees the same writer either way.
 
 Keys, per forwarding rank R (`<ns>` is `records`):
@@ -36,9 +37,17 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import asdict
 from typing import Any, Protocol
 
-from rollout.storage.base import CheckpointRecord, LogLevel, LogRow, MetricRecord, RunStore
+from rollout.storage.base import (
+    CheckpointRecord,
+    LogLevel,
+    LogRow,
+    MetricRecord,
+    RunStore,
+    SampleRecord,
+)
 
 log = logging.getLogger("rollout.forwarding")
 
@@ -74,7 +83,8 @@ def _peek(store: KeyValueStore, key: str) -> str | None:
 
 class ForwardingStore:
     """What a `BackgroundWriter` on a rank of node K > 0 writes into: the part of `RunStore` the
-    writer uses (`transaction`, `add_metrics`, `add_logs`, `add_checkpoint`, `close`). Each
+    writer uses (`transaction`, `add_metrics`, `add_logs`, `add_samples`, `add_checkpoint`,
+    `close`). Each
     transaction becomes one batch in `kv`; a beat thread shows node 0 that this rank lives."""
 
     def __init__(self, kv: KeyValueStore, rank: int, *, beat_s: float = 0.5) -> None:
@@ -94,7 +104,7 @@ class ForwardingStore:
         if self._rows is not None:  # nested: joins the outer batch
             yield
             return
-        self._rows = {"metrics": [], "logs": [], "checkpoints": []}
+        self._rows = {"metrics": [], "logs": [], "checkpoints": [], "samples": []}
         try:
             yield
             rows = self._rows
@@ -112,6 +122,11 @@ class ForwardingStore:
         with self.transaction():
             assert self._rows is not None
             self._rows["logs"] += [list(row) for row in rows]
+
+    def add_samples(self, rows: Iterable[SampleRecord]) -> None:
+        with self.transaction():
+            assert self._rows is not None
+            self._rows["samples"] += [asdict(row) for row in rows]
 
     def add_checkpoint(self, record: CheckpointRecord) -> None:
         with self.transaction():
@@ -304,6 +319,7 @@ def drain(
     metrics: list[MetricRecord] = []
     logs: list[LogRow] = []
     checkpoints: list[CheckpointRecord] = []
+    samples: list[SampleRecord] = []
     for rank in ranks:
         written = kv.add(_key(rank, "written"), 0)
         for n in range(stored[rank] + 1, written + 1):
@@ -314,12 +330,15 @@ def drain(
             metrics += [MetricRecord(*row) for row in rows["metrics"]]
             logs += [tuple(row) for row in rows["logs"]]  # type: ignore[misc]
             checkpoints += [CheckpointRecord(*row) for row in rows["checkpoints"]]
+            samples += [SampleRecord(**row) for row in rows.get("samples", [])]
             taken.append((rank, n))
     if not taken:
         return 0
     with store.transaction():
         store.add_metrics(metrics)
         store.add_logs(logs)
+        if samples:
+            store.add_samples(samples)
         for checkpoint in checkpoints:
             store.add_checkpoint(checkpoint)
     # Stored, then forgotten: a crash in between re-sends nothing (the count lives here), and the

@@ -10,16 +10,19 @@ metrics of every checkpoint and of the run's end are there. Evaluation means are
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from rollout.runtime import transport
+from rollout.storage.base import SampleRecord
 
 progress = logging.getLogger("rollout.progress")
 
 if TYPE_CHECKING:
     from rollout.planner.definition import Plan
     from rollout.runtime.context import WorkerContext
+    from rollout.runtime.online.actor import Sample
     from rollout.storage.writer import BackgroundWriter
 
 
@@ -46,6 +49,36 @@ def record_metrics(
         writer.write_metrics(ctx.plan.run_id, step, values)
         if step > 0:  # step 0 is the evaluation before training
             progress.info("%s", step_line(step, ctx.plan.derived.total_steps, values))
+
+
+def record_samples(
+    ctx: WorkerContext, writer: BackgroundWriter, step: int, samples: Sequence[Sample]
+) -> None:
+    """The first `logging.samples_per_step` of this rank's samples of `step`, on the ranks that
+    record (`record_metrics`'s rule), queued for the run store: other ranks' samples are drawn
+    from the same prompts and add nothing to a report."""
+    limit = ctx.plan.config.logging.samples_per_step
+    if not limit or not samples or not ctx.is_main:
+        return
+    if not (records_step(ctx.plan, step) or ctx.stop.is_set()):
+        return
+    now = time.time()
+    writer.write_samples(
+        [
+            SampleRecord(
+                ctx.plan.run_id,
+                step,
+                index,
+                s.prompt,
+                s.completion,
+                s.turns,
+                s.reward,
+                s.extra,
+                now,
+            )
+            for index, s in enumerate(samples[:limit])
+        ]
+    )
 
 
 # What a step's log line shows, in this order, when the step has it (online runs a reward,

@@ -22,10 +22,17 @@ What travels here: each item's result is a small JSON value (a sample id, metada
 results are UTF-8 JSON in the store. Tensors never travel through the store: they stay on the
 transport path (rollout/runtime/transport.py).
 
-Steps are separate key namespaces (`<namespace>/<step>/...`). The collector deletes a step's keys
-once it has read them and raises the `consumed_through` mark first, so an actor that touches a
-step afterwards sees the mark, deletes whatever it wrote and stops: the store does not grow with
-the steps. Steps are therefore collected in increasing order.
+Steps are separate key namespaces (`<namespace>/<step>/...`). Releasing a step raises the
+`consumed_through` mark, then deletes the step's keys, so an actor that touches a step afterwards
+sees the mark, deletes whatever it wrote and stops: the store does not grow with the steps. Steps
+are therefore collected in increasing order.
+
+When to release: a completion that finds its step released reports that it did not count, which
+is right for a late duplicate and wrong for the completion the collector has just read (its
+holder, between its write and its check, would then drop results the collector expects). So a
+collector that acts on its holders' completions (the learners wait for each counted chunk's rows)
+collects with `release=False` and releases a step only once those are in: in a run, the step
+before, when it collects the next (rollout/runtime/online/shared_prompts.py).
 
 The store is any torch.distributed `Store` (a `TCPStore` in a run: `transport.process_group_store`
 gives the default group's; a `HashStore` in one process). Only non-blocking calls are used (`add`,
@@ -201,8 +208,10 @@ class WorkQueue:
 
     def collect(self, timeout_s: float, *, release: bool = True) -> list[Any]:
         """Every item's result, in item order, once every chunk is done; then (with `release`)
-        delete the step's keys. Raises WorkQueueTimeout naming the chunks still missing and who
-        held them when `timeout_s` passes first. One collector per step releases it."""
+        delete the step's keys, which makes a completion racing this call report False (see the
+        module doc: a collector that waits on its holders releases later). Raises
+        WorkQueueTimeout naming the chunks still missing and who held them when `timeout_s`
+        passes first. One collector per step releases it."""
         if self.consumed():
             raise RuntimeError(
                 f"work queue step {self.step} was already collected, or a later step was: "

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rollout.config.algorithm import OFFLINE_KINDS
-from rollout.executor.failure import error_file, fault_file
+from rollout.executor.failure import error_file, fault_file, stacks_file
 from rollout.executor.processes import RUN_TOKEN_ENV, die_with_parent
 from rollout.planner.definition import Plan
 from rollout.planner.lockfile import read_plan
@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         activity=Activity(activity_file(plan.derived.run_dir, rank)),
     )
     fault = _dump_stacks_on_fatal_signals(plan.derived.run_dir, rank)
+    stacks = _dump_stacks_on_request(plan.derived.run_dir, rank)
     signal.signal(signal.SIGTERM, lambda *_: context.stop.set())
     signal.signal(signal.SIGINT, lambda *_: context.stop.set())
 
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         records.close(failed=failed)  # rank 0: the other nodes' last records, before the group goes
         _teardown_torch()
         _close_fault_file(fault)
+        _close_stacks_file(stacks)
 
 
 def _dump_stacks_on_fatal_signals(run_dir: str, rank: int):
@@ -106,8 +108,27 @@ def _dump_stacks_on_fatal_signals(run_dir: str, rank: int):
     return handle
 
 
+def _dump_stacks_on_request(run_dir: str, rank: int):
+    """SIGUSR1 appends every thread's Python stack to workers/rank-N.stacks and the worker goes
+    on: how to see where a run that seems hung is waiting (docs/runs.md)."""
+    path = stacks_file(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = path.open("a", encoding="utf-8")
+    faulthandler.register(signal.SIGUSR1, file=handle, all_threads=True)
+    return handle
+
+
 def _close_fault_file(handle) -> None:
     faulthandler.disable()
+    _close_unless_written(handle)
+
+
+def _close_stacks_file(handle) -> None:
+    faulthandler.unregister(signal.SIGUSR1)
+    _close_unless_written(handle)
+
+
+def _close_unless_written(handle) -> None:
     handle.close()
     path = Path(handle.name)
     if path.stat().st_size == 0:  # nothing happened: leave no empty file to puzzle over

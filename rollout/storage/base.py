@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 RunStatus = Literal["planned", "running", "stopped", "failed", "finished", "lost"]
 RUN_STATUSES: tuple[RunStatus, ...] = (
@@ -78,6 +78,26 @@ class CheckpointRecord:
     time: float
 
 
+@dataclass(frozen=True)
+class SampleRecord:
+    """One sample completion recorded at a training step (logging.samples_per_step)."""
+
+    run_id: str
+    step: int
+    index: int
+    """Its place among the step's recorded samples (0, 1, ...)."""
+    prompt: str
+    completion: str | None
+    """The completion's text; None for a multi-turn episode (see `turns`)."""
+    turns: list[dict[str, str]] | None
+    """A multi-turn episode's messages after the prompt, [{"role", "content"}, ...]."""
+    reward: float
+    """Its total reward (an episode's return); NaN if none."""
+    extra: dict[str, Any]
+    """JSON-able facts besides (the reward functions' scores, the finish reason, ...)."""
+    time: float
+
+
 LogRow = tuple[str, float, LogLevel, int, str, str]
 """A log line to add: (run_id, time, level, rank, role, message); the store assigns its id."""
 
@@ -138,12 +158,25 @@ class RunStore(Protocol):
     def add_checkpoint(self, record: CheckpointRecord) -> None:
         """A second checkpoint at the same step of a run replaces the first."""
 
+    def add_samples(self, rows: Iterable[SampleRecord]) -> None:
+        """A second sample at the same (run, step, index) replaces the first."""
+
     # --- reads
     def metrics(self, run_id: str, names: Sequence[str] | None = None) -> list[MetricRecord]:
         """Ordered by name, then step: each metric's series in step order."""
 
     def latest_metrics(self, run_id: str) -> Mapping[str, MetricRecord]:
         """Each metric's row at its highest step."""
+
+    def metric_counts(self, run_id: str) -> Mapping[str, int]:
+        """How many rows (steps) each metric of the run has, by name."""
+
+    def metric_buckets(
+        self, run_id: str, name: str, *, width: int
+    ) -> list[tuple[int, float | None, float | None, float | None]]:
+        """One metric thinned in the store: per bucket of `width` steps (bucket k holds steps
+        k*width .. k*width + width - 1), (k*width, mean, min, max) of its finite values (None
+        where it has none), by bucket. A million rows come back as a few thousand."""
 
     def logs(
         self,
@@ -162,5 +195,11 @@ class RunStore(Protocol):
 
     def checkpoints(self, run_id: str) -> list[CheckpointRecord]:
         """Ordered by step."""
+
+    def sample_steps(self, run_id: str) -> list[int]:
+        """The steps that have recorded samples, ascending."""
+
+    def samples(self, run_id: str, steps: Sequence[int] | None = None) -> list[SampleRecord]:
+        """The samples of `steps` (None: every step), by step, then index."""
 
     def close(self) -> None: ...

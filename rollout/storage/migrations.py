@@ -192,6 +192,42 @@ MIGRATIONS: list[Migration] = [
         CREATE UNIQUE INDEX logs_by_write_key ON logs (write_key);
         """,
     ),
+    Migration(
+        4,
+        # Sample completions recorded during training (logging.samples_per_step), for run
+        # reports' trajectory viewer. One row per (run, step, index), the latest write winning
+        # (a resumed run redoes steps). A single-turn sample has a completion; a multi-turn
+        # episode has its turns as JSON ([{"role", "content"}, ...]) instead. JSON is kept as
+        # text in both dialects, so both read back the same strings.
+        """
+        CREATE TABLE samples (
+            run_id TEXT NOT NULL REFERENCES runs (run_id) ON DELETE CASCADE,
+            step INTEGER NOT NULL,
+            sample_index INTEGER NOT NULL,
+            prompt TEXT NOT NULL,
+            completion TEXT,
+            turns TEXT,
+            reward REAL,
+            extra TEXT NOT NULL,
+            time REAL NOT NULL,
+            PRIMARY KEY (run_id, step, sample_index)
+        );
+        """,
+        """
+        CREATE TABLE samples (
+            run_id TEXT NOT NULL REFERENCES runs (run_id) ON DELETE CASCADE,
+            step BIGINT NOT NULL,
+            sample_index INTEGER NOT NULL,
+            prompt TEXT NOT NULL,
+            completion TEXT,
+            turns TEXT,
+            reward DOUBLE PRECISION,
+            extra TEXT NOT NULL,
+            time DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (run_id, step, sample_index)
+        );
+        """,
+    ),
 ]
 
 LATEST = MIGRATIONS[-1].number

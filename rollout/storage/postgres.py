@@ -63,6 +63,12 @@ _COLUMN_TYPES = {
     "role": "text",
     "message": "text",
     "write_key": "text",
+    "sample_index": "integer",
+    "prompt": "text",
+    "completion": "text",
+    "turns": "text",
+    "reward": "double precision",
+    "extra": "text",
 }
 """The Postgres type of each column that _insert_many sends as an array."""
 _PYTHON_TYPES: dict[str, Callable[[Any], Any]] = {

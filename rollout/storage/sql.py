@@ -21,6 +21,7 @@ attempt, and a run's creation recognizes its own row.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from abc import ABC, abstractmethod
@@ -41,6 +42,7 @@ from rollout.storage.base import (
     MetricRecord,
     RunRecord,
     RunStatus,
+    SampleRecord,
 )
 
 T = TypeVar("T")
@@ -341,6 +343,22 @@ class SqlRunStore(ABC):
             )
         )
 
+    def add_samples(self, rows: Iterable[SampleRecord]) -> None:
+        latest = {(row.run_id, row.step, row.index): row for row in rows}
+        values = [_sample_row(latest[key]) for key in sorted(latest)]
+        if not values:
+            return
+        self._write(
+            lambda: self._insert_many(
+                "samples",
+                SAMPLE_COLUMNS,
+                values,
+                "(run_id, step, sample_index) DO UPDATE SET prompt = excluded.prompt, "
+                "completion = excluded.completion, turns = excluded.turns, "
+                "reward = excluded.reward, extra = excluded.extra, time = excluded.time",
+            )
+        )
+
     # --- reads
 
     def metrics(self, run_id: str, names: Sequence[str] | None = None) -> list[MetricRecord]:
@@ -364,6 +382,38 @@ class SqlRunStore(ABC):
         """
         rows = self._read(lambda: self._query(sql, [run_id]))
         return {row["name"]: metric_record(row) for row in rows}
+
+    def metric_counts(self, run_id: str) -> Mapping[str, int]:
+        sql = (
+            "SELECT name, COUNT(*) AS n FROM metrics WHERE run_id = ? "
+            f"GROUP BY name ORDER BY name{self._TEXT_ORDER}"
+        )
+        return {row["name"]: row["n"] for row in self._read(lambda: self._query(sql, [run_id]))}
+
+    def metric_buckets(
+        self, run_id: str, name: str, *, width: int
+    ) -> list[tuple[int, float | None, float | None, float | None]]:
+        if width < 1:
+            raise ValueError(f"bucket width {width} is not a positive number of steps")
+        # Finite values only, the same test in both dialects: NULL (SQLite's NaN) is not
+        # BETWEEN anything, Postgres sorts NaN above every number, and infinities lie outside.
+        sql = f"""
+            SELECT bucket, AVG(v) AS mean, MIN(v) AS low, MAX(v) AS high FROM (
+                SELECT step / ? AS bucket,
+                       CASE WHEN value BETWEEN -{_FLOAT_MAX} AND {_FLOAT_MAX} THEN value END AS v
+                FROM metrics WHERE run_id = ? AND name = ?
+            ) AS steps GROUP BY bucket ORDER BY bucket
+        """
+        rows = self._read(lambda: self._query(sql, [width, run_id, name]))
+        return [
+            (
+                int(row["bucket"]) * width,
+                _float(row["mean"]),
+                _float(row["low"]),
+                _float(row["high"]),
+            )
+            for row in rows
+        ]
 
     def logs(
         self,
@@ -400,6 +450,21 @@ class SqlRunStore(ABC):
         sql = "SELECT run_id, step, location, time FROM checkpoints WHERE run_id = ? ORDER BY step"
         return [CheckpointRecord(**row) for row in self._read(lambda: self._query(sql, [run_id]))]
 
+    def sample_steps(self, run_id: str) -> list[int]:
+        sql = "SELECT DISTINCT step FROM samples WHERE run_id = ? ORDER BY step"
+        return [row["step"] for row in self._read(lambda: self._query(sql, [run_id]))]
+
+    def samples(self, run_id: str, steps: Sequence[int] | None = None) -> list[SampleRecord]:
+        sql = f"SELECT {', '.join(SAMPLE_COLUMNS)} FROM samples WHERE run_id = ?"
+        params: list[Any] = [run_id]
+        if steps is not None:
+            if not steps:
+                return []
+            sql += f" AND step IN ({_placeholders(len(steps))})"
+            params += list(steps)
+        sql += " ORDER BY step, sample_index"
+        return [sample_record(row) for row in self._read(lambda: self._query(sql, params))]
+
 
 def status_changes(current: RunStatus, new: RunStatus, now: float) -> dict[str, Any]:
     changes: dict[str, Any] = {"status": new}
@@ -418,6 +483,57 @@ def run_record(row: Mapping[str, Any]) -> RunRecord:
 def metric_record(row: Mapping[str, Any]) -> MetricRecord:
     value = row["value"]  # SQLite keeps a NaN as NULL
     return MetricRecord(**{**row, "value": math.nan if value is None else value})
+
+
+SAMPLE_COLUMNS = (
+    "run_id",
+    "step",
+    "sample_index",
+    "prompt",
+    "completion",
+    "turns",
+    "reward",
+    "extra",
+    "time",
+)
+
+
+def _sample_row(record: SampleRecord) -> tuple[Any, ...]:
+    turns = None if record.turns is None else json.dumps(record.turns, ensure_ascii=False)
+    reward = None if math.isnan(record.reward) else record.reward
+    extra = json.dumps(record.extra, ensure_ascii=False, sort_keys=True, default=str)
+    return (
+        record.run_id,
+        record.step,
+        record.index,
+        record.prompt,
+        record.completion,
+        turns,
+        reward,
+        extra,
+        record.time,
+    )
+
+
+def sample_record(row: Mapping[str, Any]) -> SampleRecord:
+    return SampleRecord(
+        run_id=row["run_id"],
+        step=row["step"],
+        index=row["sample_index"],
+        prompt=row["prompt"],
+        completion=row["completion"],
+        turns=None if row["turns"] is None else json.loads(row["turns"]),
+        reward=math.nan if row["reward"] is None else row["reward"],
+        extra=json.loads(row["extra"]),
+        time=row["time"],
+    )
+
+
+_FLOAT_MAX = "1.7976931348623157e308"
+
+
+def _float(value: Any) -> float | None:
+    return None if value is None else float(value)  # Postgres's AVG of a BIGINT is a Decimal
 
 
 def _placeholders(count: int) -> str:

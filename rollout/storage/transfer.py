@@ -4,6 +4,8 @@
     <directory>/metrics.jsonl       one MetricRecord per line, by name then step (NaN as null)
     <directory>/logs.jsonl          one LogRecord per line, in id order
     <directory>/checkpoints.jsonl   one CheckpointRecord per line, by step
+    <directory>/samples.jsonl       one SampleRecord per line, by step and index (NaN reward as
+                                    null); absent from exports made before samples were recorded
 
 JSON only (never pickle): the files are read on another machine, by another version. Exported
 records stop at a step: a snapshot holds the checkpoint of step N and the records up to it, and
@@ -16,16 +18,24 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from rollout.storage.base import CheckpointRecord, LogRecord, MetricRecord, RunRecord, RunStore
+from rollout.storage.base import (
+    CheckpointRecord,
+    LogRecord,
+    MetricRecord,
+    RunRecord,
+    RunStore,
+    SampleRecord,
+)
 
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
 LOGS_FILE = "logs.jsonl"
 CHECKPOINTS_FILE = "checkpoints.jsonl"
+SAMPLES_FILE = "samples.jsonl"
 _PAGE = 10_000
 
 
@@ -37,11 +47,13 @@ class RunRecords:
     metrics: list[MetricRecord]
     logs: list[LogRecord]
     checkpoints: list[CheckpointRecord]
+    samples: list[SampleRecord] = field(default_factory=list)
+    """Sample completions travel with the run, so its report can be made in the new store."""
 
     def counts(self) -> str:
         return (
             f"{len(self.metrics)} metric values, {len(self.logs)} log lines, "
-            f"{len(self.checkpoints)} checkpoint records"
+            f"{len(self.checkpoints)} checkpoint records, {len(self.samples)} samples"
         )
 
 
@@ -53,7 +65,8 @@ def read_records(
     metrics = [m for m in store.metrics(run.run_id) if m.step <= up_to_step]
     checkpoints = [c for c in store.checkpoints(run.run_id) if c.step <= up_to_step]
     logs = [line for line in _all_logs(store, run.run_id) if line.time <= logs_until]
-    return RunRecords(run, metrics, logs, checkpoints)
+    samples = [s for s in store.samples(run.run_id) if s.step <= up_to_step]
+    return RunRecords(run, metrics, logs, checkpoints, samples)
 
 
 def _all_logs(store: RunStore, run_id: str) -> Iterator[LogRecord]:
@@ -64,7 +77,7 @@ def _all_logs(store: RunStore, run_id: str) -> Iterator[LogRecord]:
 
 
 def write_records(records: RunRecords, directory: Path) -> list[Path]:
-    """The four files under `directory` (created); their paths."""
+    """The five files under `directory` (created); their paths."""
     directory.mkdir(parents=True, exist_ok=True)
     run_file = directory / RUN_FILE
     run_file.write_text(json.dumps(asdict(records.run), indent=2, sort_keys=True) + "\n")
@@ -73,6 +86,7 @@ def write_records(records: RunRecords, directory: Path) -> list[Path]:
         (METRICS_FILE, [_metric_row(m) for m in records.metrics]),
         (LOGS_FILE, [asdict(line) for line in records.logs]),
         (CHECKPOINTS_FILE, [asdict(c) for c in records.checkpoints]),
+        (SAMPLES_FILE, [_sample_row(s) for s in records.samples]),
     ):
         path = directory / name
         with path.open("w", encoding="utf-8") as handle:
@@ -91,7 +105,13 @@ def load_records(directory: Path) -> RunRecords:
     ]
     logs = [_record(LogRecord, row) for row in _lines(directory / LOGS_FILE)]
     checkpoints = [_record(CheckpointRecord, row) for row in _lines(directory / CHECKPOINTS_FILE)]
-    return RunRecords(run, metrics, logs, checkpoints)
+    samples = []
+    if (directory / SAMPLES_FILE).exists():
+        samples = [
+            _record(SampleRecord, {**row, "reward": _nan_if_none(row.get("reward"))})
+            for row in _lines(directory / SAMPLES_FILE)
+        ]
+    return RunRecords(run, metrics, logs, checkpoints, samples)
 
 
 def import_records(
@@ -122,6 +142,12 @@ def import_records(
             (run_id, line.time, line.level, line.rank, line.role, line.message)
             for line in records.logs
         )
+        store.add_samples(
+            SampleRecord(
+                run_id, s.step, s.index, s.prompt, s.completion, s.turns, s.reward, s.extra, s.time
+            )
+            for s in records.samples
+        )
         if checkpoint is not None:
             store.add_checkpoint(checkpoint)
 
@@ -131,6 +157,25 @@ def _metric_row(metric: MetricRecord) -> dict[str, Any]:
     if math.isnan(row["value"]):
         row["value"] = None  # JSON has no NaN; the stores read NULL back as NaN too
     return row
+
+
+def _sample_row(sample: SampleRecord) -> dict[str, Any]:
+    """JSON has no NaN: the reward and any non-finite number in `extra` become null."""
+    return {**asdict(sample), "reward": _finite(sample.reward), "extra": _finite(sample.extra)}
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_finite(item) for item in value]
+    return value
+
+
+def _nan_if_none(value: Any) -> Any:
+    return math.nan if value is None else value
 
 
 def _lines(path: Path) -> Iterator[dict[str, Any]]:

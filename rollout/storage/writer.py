@@ -1,6 +1,7 @@
 """Writing to the run store off the hot path.
 
-The generation and learner loops call `write_metrics`, `write_log` and `write_checkpoint`; those
+The generation and learner loops call `write_metrics`, `write_log`, `write_samples` and
+`write_checkpoint`; those
 only put a row on an in-memory queue and return. A daemon thread owns its own store connection,
 drains the queue, and writes each batch in one transaction, every `flush_interval_s` or every
 `max_batch` rows. The queue is unbounded on purpose: a slow disk costs memory, never a step.
@@ -24,7 +25,14 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from rollout.redact import redact_text
-from rollout.storage.base import CheckpointRecord, LogLevel, LogRow, MetricRecord, RunStore
+from rollout.storage.base import (
+    CheckpointRecord,
+    LogLevel,
+    LogRow,
+    MetricRecord,
+    RunStore,
+    SampleRecord,
+)
 
 _STOP = object()
 _LIVENESS_CHECK_S = 0.1
@@ -56,6 +64,7 @@ class _Batch:
     metrics: list[MetricRecord] = field(default_factory=list)
     logs: list[LogRow] = field(default_factory=list)
     checkpoints: list[CheckpointRecord] = field(default_factory=list)
+    samples: list[SampleRecord] = field(default_factory=list)
     flushed: list[threading.Event] = field(default_factory=list)
     stop: bool = False
 
@@ -64,12 +73,14 @@ class _Batch:
             self.metrics.append(item)
         elif isinstance(item, CheckpointRecord):
             self.checkpoints.append(item)
+        elif isinstance(item, SampleRecord):
+            self.samples.append(item)
         else:
             self.logs.append(item)  # a LogRow tuple
 
     @property
     def rows(self) -> int:
-        return len(self.metrics) + len(self.logs) + len(self.checkpoints)
+        return len(self.metrics) + len(self.logs) + len(self.checkpoints) + len(self.samples)
 
     def write(self, store: RunStore) -> None:
         if not self.rows:
@@ -77,6 +88,8 @@ class _Batch:
         with store.transaction():
             store.add_metrics(self.metrics)
             store.add_logs(self.logs)
+            if self.samples:  # recorded by global rank 0 only, never through forwarding
+                store.add_samples(self.samples)
             for checkpoint in self.checkpoints:
                 store.add_checkpoint(checkpoint)
 
@@ -136,6 +149,10 @@ class BackgroundWriter:
 
     def write_checkpoint(self, run_id: str, step: int, location: str) -> None:
         self._put(CheckpointRecord(run_id, step, location, time.time()))
+
+    def write_samples(self, samples: Sequence[SampleRecord]) -> None:
+        for sample in samples:
+            self._put(sample)
 
     def _put(self, item: object) -> None:
         # While closing, the thread still takes what its sinks log (they close on that thread).

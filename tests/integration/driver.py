@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from rollout.storage import open_store
@@ -19,15 +21,60 @@ def environment(workdir: Path) -> dict[str, str]:
 def rollout(
     workdir: Path, *args: str, timeout: float = 300, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    """`rollout ARGS` to its end, with `env` added to the environment."""
-    return subprocess.run(
+    """`rollout ARGS` to its end, with `env` added to the environment. A command still running
+    after `timeout` fails the test with every worker's stacks (where the run was waiting)."""
+    with subprocess.Popen(
         [sys.executable, "-m", "rollout", *args],
         cwd=workdir,
         env={**environment(workdir), **(env or {})},
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
-    )
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stacks = worker_stacks(workdir)
+            process.kill()
+            stdout, stderr = process.communicate()
+            raise AssertionError(
+                f"`rollout {' '.join(args)}` still running after {timeout:g} s\n"
+                f"--- stdout\n{stdout}\n--- stderr\n{stderr}\n--- worker stacks\n{stacks}"
+            ) from None
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def worker_stacks(workdir: Path) -> str:
+    """Ask every live worker started in `workdir` for its threads' stacks (SIGUSR1: each writes
+    them to RUN_DIR/workers/rank-N.stacks and goes on), and return what they wrote."""
+    for pid in _workers_in(workdir):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+    time.sleep(2)
+    dumps = sorted(workdir.glob("runs/*/workers/rank-*.stacks"))
+    return "\n".join(f"=== {path.relative_to(workdir)}\n{path.read_text()}" for path in dumps)
+
+
+def _workers_in(workdir: Path) -> list[int]:
+    """Pids of the rollout workers whose working directory is `workdir` (every process of a run
+    inherits the directory `rollout` was started in)."""
+    found, here = [], os.path.realpath(workdir)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            ours = "rollout.runtime.worker" in command and os.readlink(entry / "cwd") == here
+            if ours and _catches_sigusr1(entry):  # else still starting: the signal would end it
+                found.append(int(entry.name))
+    return found
+
+
+def _catches_sigusr1(proc: Path) -> bool:
+    for line in (proc / "status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGUSR1 - 1) & 1)
+    return False
 
 
 def plan_with(workdir: Path, config: str, *settings: str) -> Path:

@@ -302,6 +302,8 @@ class RunResult:
     """Files written under the run directory, relative to it."""
     weights: str | None
     """sha256 of the trained weights (policy, and critic or value head) of the last checkpoint."""
+    samples: tuple[tuple[int, int], ...] = ()
+    """(step, index) of every sample completion the run recorded."""
 
     def checkpoints(self) -> list[str]:
         return sorted({f.split("/")[1] for f in self.files if f.startswith("checkpoints/step-")})
@@ -421,9 +423,11 @@ def run_worker(plan: Plan) -> RunResult:
     for row in store.metrics(plan.run_id):
         metrics.setdefault(row.name, {})[row.step] = row.value
     logs = [(row.level, row.message) for row in store.logs(plan.run_id, limit=100_000)]
+    samples = tuple((row.step, row.index) for row in store.samples(plan.run_id))
     store.close()
     files = frozenset(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file())
-    return RunResult(plan, error, metrics, logs, files, _weights(Path(plan.derived.artifacts)))
+    weights = _weights(Path(plan.derived.artifacts))
+    return RunResult(plan, error, metrics, logs, files, weights, samples)
 
 
 def _weights(artifacts: Path) -> str | None:
@@ -1272,6 +1276,10 @@ SECTION_CASES: dict[str, list[Case]] = {
         )
     ],
     "logging.interval": [run_shows("sft", {"logging.interval": 2}, steps_of("train/"))],
+    "logging.samples_per_step": [
+        run_shows("grpo", {"logging.samples_per_step": 1}, lambda run: run.samples),
+        refused("sft", {"logging.samples_per_step": 1}),
+    ],
     "logging.wandb_project": [refused("sft", {"logging.wandb_project": "audit"})],
     "logging.wandb_api_key": [refused("sft", {"logging.wandb_api_key": "env:WANDB_API_KEY"})],
     "logging.mlflow_tracking_uri": [

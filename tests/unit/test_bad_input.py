@@ -45,6 +45,7 @@ from rollout.config.root import RunConfig
 from rollout.errors import ConfigError, LockfileError, PlanError, RolloutError
 from rollout.files import FileRefused
 from rollout.fingerprints import sha256_file
+from rollout.inference.plugin_trial import read_sample
 from rollout.planner import lockfile
 from rollout.planner.inspect_data import MAX_RECORD_DEPTH, inspect_data
 from rollout.planner.prompt_files import read_prompts
@@ -204,6 +205,7 @@ READERS: dict[str, tuple[list[str], Callable[[Path], Any], type[RolloutError], s
     "plan.lock": (["plan.lock"], _plan_reader, LockfileError, "plan.lock"),
     "data": (["train.jsonl", "d.parquet", "d.json", "d.ndjson"], _data_reader, PlanError, None),
     "prompts": (["p.jsonl", "p.parquet"], _prompt_reader, RolloutError, "--prompts"),
+    "plugin sample": (["s.jsonl", "s.json"], read_sample, RolloutError, None),
 }
 SPECIAL_KINDS = ["fifo", "directory", "fifo behind a symlink", "directory behind a symlink"]
 

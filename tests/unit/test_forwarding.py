@@ -19,7 +19,7 @@ from rollout.runtime.forwarding import (
     drain,
 )
 from rollout.storage import open_store
-from rollout.storage.base import MetricRecord
+from rollout.storage.base import MetricRecord, SampleRecord
 from rollout.storage.writer import BackgroundWriter
 
 RUN = "run-1"
@@ -59,6 +59,10 @@ def test_two_ranks_rows_arrive_once_in_each_ranks_order_and_no_key_is_left(kv, l
                 if i % 10 == 0:
                     writer.write_metrics(RUN, i + rank * 1000, {"m": float(i), "nan": math.nan})
             writer.write_checkpoint(RUN, 5 + rank, f"/ckpt/{rank}")
+            turns = [{"role": "assistant", "content": "ünï"}]
+            writer.write_samples(
+                [SampleRecord(RUN, rank, 0, "p", None, turns, math.nan, {"r": rank}, 0.0)]
+            )
 
     threads = [threading.Thread(target=record, args=(rank,)) for rank in (1, 2)]
     for thread in threads:
@@ -78,6 +82,12 @@ def test_two_ranks_rows_arrive_once_in_each_ranks_order_and_no_key_is_left(kv, l
             (6, "/ckpt/1"),
             (7, "/ckpt/2"),
         ]
+        samples = store.samples(RUN)
+        assert [(x.step, x.extra, x.turns[0]["content"]) for x in samples] == [
+            (1, {"r": 1}, "ünï"),
+            (2, {"r": 2}, "ünï"),
+        ]
+        assert all(math.isnan(x.reward) for x in samples)
     assert forwarder.rows == 2 * (60 + 12 + 1)
     with open_store(location) as store:
         (said,) = store.logs(RUN, role="forwarder")

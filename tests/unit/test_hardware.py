@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import subprocess
 
 import pytest
@@ -10,6 +11,11 @@ from rollout.planner import hardware
 from rollout.planner.definition import GpuFacts
 
 MIB = 1 << 20
+
+# The probe reads platform.platform(), whose first call runs `uname -p` through subprocess.run:
+# cache it now, or a test that patches subprocess.run (the one module object) breaks it when it
+# happens to run first in the process.
+platform.platform(terse=True)
 
 
 def test_parse_nvidia_smi():

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from rollout.runtime import recording
-from rollout.runtime.recording import record_means, record_metrics, records_step
+from rollout.runtime.online.batches import Sample
+from rollout.runtime.recording import record_means, record_metrics, record_samples, records_step
 
 
 class Writer:
@@ -53,10 +54,11 @@ def plan(
     total: int = 10,
     checkpoint: int = 50,
     eval_interval: int | None = None,
+    samples_per_step: int = 4,
 ) -> SimpleNamespace:
     """What recording reads of a plan."""
     config = SimpleNamespace(
-        logging=SimpleNamespace(interval=interval),
+        logging=SimpleNamespace(interval=interval, samples_per_step=samples_per_step),
         checkpoint=SimpleNamespace(interval=checkpoint),
         run=SimpleNamespace(eval_interval=eval_interval),
     )
@@ -234,3 +236,40 @@ def test_a_step_line_shows_what_the_step_has_in_a_fixed_order():
     assert step_line(1, 2, {"train/loss": 2.5, "train/accuracy": 0.5}) == (
         "step 1/2: loss 2.5, accuracy 0.5"
     )
+
+
+class SampleWriter:
+    def __init__(self):
+        self.written = []
+
+    def write_samples(self, samples):
+        self.written += samples
+
+
+def samples(count: int) -> list[Sample]:
+    return [Sample(f"p{i}", f"c{i}", None, float(i), {"i": i}) for i in range(count)]
+
+
+def test_the_first_samples_of_a_recorded_step_are_written_by_the_main_rank():
+    writer = SampleWriter()
+    record_samples(context(0, 2, samples_per_step=3), writer, 4, samples(8))
+    assert [(s.step, s.index, s.completion, s.reward) for s in writer.written] == [
+        (4, 0, "c0", 0.0),
+        (4, 1, "c1", 1.0),
+        (4, 2, "c2", 2.0),
+    ]
+    assert writer.written[0].run_id == "run" and writer.written[2].extra == {"i": 2}
+
+
+@pytest.mark.parametrize(
+    ("rank", "options", "step"),
+    [
+        (1, {}, 4),  # not the main rank
+        (0, {"samples_per_step": 0}, 4),  # off
+        (0, {"interval": 5}, 4),  # a step logging.interval leaves out
+    ],
+)
+def test_samples_are_not_written(rank, options, step):
+    writer = SampleWriter()
+    record_samples(context(rank, 2, **options), writer, step, samples(8))
+    assert writer.written == []

@@ -6,6 +6,7 @@ journey with real runs, Postgres and S3 is tests/integration/test_snapshot.py.""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socketserver
@@ -24,7 +25,7 @@ from rollout.planner.criu_check import _complaint, criu_problem
 from rollout.planner.lockfile import read_plan, write_plan
 from rollout.runtime import manifest
 from rollout.storage import open_store
-from rollout.storage.base import CheckpointRecord, MetricRecord, RunRecord
+from rollout.storage.base import CheckpointRecord, MetricRecord, RunRecord, SampleRecord
 
 runner = CliRunner()
 RUN = "t-run"
@@ -57,6 +58,10 @@ def made_run(tmp_path, config_file, base_config, rollout_cache):
         store.add_checkpoint(CheckpointRecord(RUN, 2, str(checkpoint), time.time()))
         time.sleep(0.01)
         store.add_metrics([MetricRecord(RUN, 3, "reward/mean", 0.3, time.time())])
+        store.add_samples(
+            SampleRecord(RUN, s, 0, "p", "c", None, math.nan, {"f": math.inf}, time.time())
+            for s in (1, 2, 3)
+        )
         store.add_logs([(RUN, time.time(), "info", 0, "actor+learner", "step 3 done")])
     return plan
 
@@ -88,6 +93,11 @@ def test_a_snapshot_holds_the_plan_checkpoint_and_records_up_to_its_step(made_ru
     assert steps == [1, 2]  # step 3 is after the checkpoint
     logs = [json.loads(line)["message"] for line in (records / "logs.jsonl").open()]
     assert logs == ["step 2 done"]
+    samples = [json.loads(line) for line in (records / "samples.jsonl").open()]
+    assert [(row["step"], row["reward"], row["extra"]) for row in samples] == [
+        (1, None, {"f": None}),
+        (2, None, {"f": None}),
+    ]
     assert json.loads((records / "run.json").read_text())["run_id"] == RUN
 
 
@@ -113,6 +123,8 @@ def test_a_restored_run_is_in_the_new_store_with_its_checkpoint_and_a_plan_run_a
         assert run.status == "planned" and run.last_step == 2
         assert [m.step for m in store.metrics("t-new")] == [1, 2]
         assert [line.message for line in store.logs("t-new")] == ["step 2 done"]
+        samples = store.samples("t-new")
+        assert [x.step for x in samples] == [1, 2] and math.isnan(samples[0].reward)
         (checkpoint,) = store.checkpoints("t-new")
         assert checkpoint.location == str(tmp_path / "elsewhere" / "t-new" / "step-000002")
 
@@ -333,6 +345,8 @@ def test_a_snapshot_in_an_object_store_restores_like_a_local_one(made_run, tmp_p
         assert run.status == "planned" and run.last_step == 2
         assert [m.step for m in store.metrics("t-new")] == [1, 2]
         assert [line.message for line in store.logs("t-new")] == ["step 2 done"]
+        samples = store.samples("t-new")
+        assert [x.step for x in samples] == [1, 2] and math.isnan(samples[0].reward)
         (checkpoint,) = store.checkpoints("t-new")
         assert checkpoint.location == str(restored)
 

@@ -72,6 +72,8 @@ ALLOWED = {
     # `rollout snapshot`: a run's plan, checkpoint (runtime's format) and records, moved between
     # stores and artifacts; CRIU dumps of its processes (executor).
     "snapshots": {"config", "planner", "executor", "storage", "runtime"},
+    # `rollout report`: a run's records and plan as one static HTML page.
+    "reports": {"storage"},
     "cli": {
         "config",
         "schema",
@@ -81,6 +83,7 @@ ALLOWED = {
         "inference",
         "serve",
         "snapshots",
+        "reports",
     },
     "__init__": {"config", "planner", "executor"},  # the library face: load, plan, run
     "__main__": {"cli"},

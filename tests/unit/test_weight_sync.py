@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from rollout.runtime.online.batches import RolloutBatch, from_wire, to_wire
+from rollout.runtime.online.batches import RolloutBatch, Sample, concat, from_wire, to_wire
 from rollout.runtime.weight_sync import state_checksum
 
 
@@ -152,3 +152,15 @@ def test_a_batch_survives_the_wire() -> None:
     batch = from_wire(header, tensors)
     assert batch.prompt_ids == _batch().prompt_ids and batch.texts == _batch().texts
     assert torch.equal(batch.rewards, _batch().rewards) and batch.group_size == 2
+    assert batch.samples == []
+
+
+def test_samples_cross_with_a_batch_and_concatenate_in_order() -> None:
+    sent = []
+    for part in range(2):
+        batch = _batch()
+        batch.samples = [Sample(f"p{part}", f"c{part}", None, 0.5, {"finish_reason": "eos"})]
+        sent.append(from_wire(*to_wire(batch)))
+    assert [s.completion for s in concat(sent).samples] == ["c0", "c1"]
+    assert sent[0].samples[0].extra == {"finish_reason": "eos"}
+    assert sent[0].select([0]).samples == []  # minibatches do not carry them

@@ -200,3 +200,41 @@ def test_a_queue_needs_items_whole_chunks_and_a_positive_lease(store) -> None:
         _queue(store, num_items=4, chunk_size=0)
     with pytest.raises(ValueError, match="lease_s and poll_s must be positive, got 0"):
         _queue(store, lease_s=0)
+
+
+class _CollectRightAfterACompletion:
+    """A store on which the collector runs right after the first completion's write lands,
+    before its holder checks whether the step was released: the race a loaded machine runs."""
+
+    def __init__(self, store):
+        self.store = store
+        self.collector = None
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        value = self.store.compare_set(key, expected, desired)
+        if "/done/" in key and expected == "" and self.collector is not None:
+            collector, self.collector = self.collector, None
+            collector()
+        return value
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_a_completion_the_collector_read_counts_unless_the_step_was_released_at_once(
+    store, release
+) -> None:
+    racing = _CollectRightAfterACompletion(store)
+    queue = _queue(racing, num_items=4)
+    collected = []
+    racing.collector = lambda: collected.append(queue.collect(timeout_s=1, release=release))
+    with queue.actor("a") as actor:
+        counted = actor.complete(actor.claim(), [1, 2, 3, 4])
+    assert collected == [[1, 2, 3, 4]]  # the collector read this completion...
+    # ...and its holder (which sends the chunk's rows only when it counted) knows it only if the
+    # step was not released in the same breath: why a run's learner releases a step later.
+    assert counted is not release
+    queue.release()  # later, a completion of the step is a late duplicate
+    with queue.actor("late") as late:
+        assert late.claim() is None

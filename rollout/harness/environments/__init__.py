@@ -19,4 +19,21 @@ BUILTIN_ENVIRONMENTS: dict[str, Callable[..., Any]] = {
 }
 """Built-ins a config names by name, each called with the environment's options."""
 
-__all__ = ["BUILTIN_ENVIRONMENTS", "SINGLE_TURN", "Environment", "StepResult"]
+
+def plan_builtins() -> dict[str, Callable[..., Any]]:
+    """Every name [environment].name resolves to without a plugin: BUILTIN_ENVIRONMENTS, and the
+    environments the run builds itself from the rest of the config (single_turn from [[rewards]],
+    tools from environment.tools, agent from its command)."""
+    from rollout.harness.agents import AGENT, AgentSpec
+    from rollout.harness.environments.single_turn import SingleTurn
+    from rollout.harness.environments.tools import TOOLS, ToolEnvironment
+
+    return {
+        **BUILTIN_ENVIRONMENTS,
+        SINGLE_TURN: SingleTurn,
+        TOOLS: ToolEnvironment,
+        AGENT: AgentSpec,
+    }
+
+
+__all__ = ["BUILTIN_ENVIRONMENTS", "SINGLE_TURN", "Environment", "StepResult", "plan_builtins"]

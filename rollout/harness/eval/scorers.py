@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from rollout.harness.eval import choice, ifeval, numeric
 
@@ -158,6 +158,13 @@ class ChoiceLoglik(ChoiceLetter):
 
 class ScorerError(Exception):
     """A plugin scorer raised, or returned something that is not a score."""
+
+
+class ScorerFn(Protocol):
+    """A scorer plugin: what ``[[eval.suites]] scorer`` names when it is not a built-in. Given a
+    row and one completion, a score in [0, 1] (a bool counts as 0 or 1); 1 is correct."""
+
+    def __call__(self, record: dict[str, Any], completion: str) -> float | bool: ...
 
 
 class FunctionScorer(Scorer):

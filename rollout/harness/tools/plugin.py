@@ -7,9 +7,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from rollout.harness.tools.base import Tool, ToolContext, function_schema
+
+
+class ToolFunction(Protocol):
+    """A tool plugin: called with the call's arguments as keyword arguments; returns its answer
+    (text, or anything JSON-able). ``schema``: its OpenAI function declaration, unless the
+    config gives one (environment.tools[].function). Built-in tools are factories returning a
+    Tool instead (tools/builtin.py)."""
+
+    schema: Mapping[str, Any]
+
+    def __call__(self, **arguments: Any) -> Any: ...
 
 
 def plugin_tool(fn: Callable[..., Any], function: Mapping[str, Any] | None, where: str) -> Tool:

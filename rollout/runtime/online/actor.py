@@ -6,13 +6,14 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any
 
 import torch
 
 from rollout.engines.base import Completion, Engine, SamplingParams
 from rollout.harness.reward_runner import RewardRunner
-from rollout.runtime.online.batches import RolloutBatch
+from rollout.runtime.online.batches import RolloutBatch, Sample
 
 Row = Mapping[str, Any]
 
@@ -43,6 +44,8 @@ class PromptFormat:
 class Rollout:
     batch: RolloutBatch
     metrics: dict[str, float]
+    samples: list[Sample] = dataclass_field(default_factory=list)
+    """Every completion's (or episode's) text and reward, in batch order."""
 
 
 class Actor:
@@ -91,7 +94,21 @@ class Actor:
         metrics = _rollout_metrics(completions, rewards, scores.per_function, generate_s)
         # Rewards and advantages are host work: the host clock is right for them.
         metrics["perf/score_s"] = time.perf_counter() - scoring_started
-        return Rollout(batch=batch, metrics=metrics)
+        samples = [
+            Sample(
+                prompt=prompts[c.prompt_index],
+                completion=c.text,
+                turns=None,
+                reward=scores.total[i],
+                extra={
+                    "finish_reason": c.finish_reason,
+                    "tokens": len(c.token_ids),
+                    "rewards": {name: values[i] for name, values in scores.per_function.items()},
+                },
+            )
+            for i, c in enumerate(completions)
+        ]
+        return Rollout(batch=batch, metrics=metrics, samples=samples)
 
     def _encode(self, text: str) -> list[int]:
         if text not in self._encoded:

@@ -33,7 +33,7 @@ import torch
 from rollout.engines.base import Engine, SamplingParams
 from rollout.harness.agents import AgentOutcome, AgentProgram
 from rollout.harness.reward_runner import RewardRunner
-from rollout.runtime.online.actor import PromptFormat, Rollout, Row
+from rollout.runtime.online.actor import PromptFormat, Rollout, Row, Sample
 from rollout.runtime.online.batches import RolloutBatch
 from rollout.serve.loading import served_engine
 from rollout.serve.recording import CompletionRecorder, RecordedCompletion
@@ -169,7 +169,17 @@ class AgentActor:
         batch = self._batch(episodes, returns, advantages, group)
         metrics = self._metrics(episodes, returns, scoring - started)
         metrics["perf/score_s"] = time.perf_counter() - scoring
-        return Rollout(batch=batch, metrics=metrics)
+        samples = [
+            Sample(
+                prompt=self.format.prompt_text(e.row),
+                completion=e.outcome.answer if e.outcome else "",
+                turns=None,
+                reward=float(returns[i]),
+                extra={"calls": e.calls, "failure": e.failure},
+            )
+            for i, e in enumerate(episodes)
+        ]
+        return Rollout(batch=batch, metrics=metrics, samples=samples)
 
     def evaluate(self, rows: Sequence[Row], *, seed: int) -> tuple[dict[str, float], int]:
         """Summed returns of one greedy episode per row, and how many rows (see

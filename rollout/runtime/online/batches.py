@@ -6,10 +6,24 @@ so a batch is cheap to build, slice and (later) send between processes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One completion (or multi-turn episode) of a rollout as text, for the run store's samples
+    (logging.samples_per_step): the strings exist already, so building one costs no decode."""
+
+    prompt: str
+    completion: str | None
+    """None for a multi-turn episode: see `turns`."""
+    turns: list[dict[str, str]] | None
+    """A multi-turn episode's messages after the prompt: [{"role", "content"}, ...]."""
+    reward: float
+    extra: dict[str, Any]
 
 
 @dataclass
@@ -41,6 +55,9 @@ class RolloutBatch:
     """[B][completion_len_i]: 1 where the model wrote the token (it is trained on), 0 where the
     environment did (a multi-turn episode's messages: context only); None: every completion
     token is the model's."""
+    samples: list[Sample] = field(default_factory=list)
+    """A few completions as text, carried from an actor process to the learner that records
+    them (logging.samples_per_step); not row-aligned: `select` leaves them behind."""
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -187,6 +204,7 @@ def to_wire(batch: RolloutBatch) -> tuple[dict[str, Any], list[torch.Tensor]]:
         "prompt_lengths": [len(p) for p in batch.prompt_ids],
         "completion_lengths": [len(c) for c in batch.completion_ids],
         "texts": list(batch.texts),
+        "samples": [asdict(sample) for sample in batch.samples],
     }
     tensors = [
         torch.tensor([t for p in batch.prompt_ids for t in p], dtype=torch.long, device="cpu"),
@@ -213,6 +231,7 @@ def from_wire(header: dict[str, Any], tensors: list[torch.Tensor]) -> RolloutBat
         group_size=header["group_size"],
         policy_version=header["policy_version"],
         texts=header["texts"],
+        samples=[Sample(**sample) for sample in header.get("samples", [])],
     )
 
 
@@ -230,6 +249,7 @@ def concat(parts: list[RolloutBatch]) -> RolloutBatch:
         group_size=first.group_size,
         policy_version=min(part.policy_version for part in parts),
         texts=[text for part in parts for text in part.texts],
+        samples=[sample for part in parts for sample in part.samples],
     )
 
 

@@ -45,7 +45,7 @@ from rollout.runtime.online.pending import BUFFER, PendingBatches, gather_shares
 from rollout.runtime.online.prompts import load_data
 from rollout.runtime.online.staleness import StaleCorrection
 from rollout.runtime.phases import PhaseClock
-from rollout.runtime.recording import record_metrics
+from rollout.runtime.recording import record_metrics, record_samples
 from rollout.runtime.run_state import RunState
 from rollout.runtime.sharding import shard_learner, whole_weights
 from rollout.seeds import derive_seed
@@ -112,8 +112,12 @@ def _act(ctx: WorkerContext, groups: weight_sync.Groups) -> None:
         seed = derive_seed(plan.seeds.sampling, f"{step}:{index}")
         rollout = actor.rollout(rows, seed=seed)
         metrics = {**rollout.metrics, "perf/actor_wait_s": wait_s}
+        limit = plan.config.logging.samples_per_step
         for learner, (lo, hi) in zip(groups.learners, shares, strict=True):
-            wire, tensors = to_wire(rollout.batch.select(list(range(lo, hi))))
+            share = rollout.batch.select(list(range(lo, hi)))
+            if learner == groups.learners[0]:  # it records the first few of the step
+                share.samples = rollout.samples[lo:hi][:limit]
+            wire, tensors = to_wire(share)
             wire.update(step=step, metrics=metrics)
             in_flight.append(weight_sync.send_message(wire, tensors, learner))
     # The learners sync after every step: take the versions still owed, so the broadcasts match.
@@ -257,6 +261,7 @@ def _learn(ctx: WorkerContext, writer: BackgroundWriter, groups: weight_sync.Gro
         tokens = metrics["perf/generated_tokens"] * len(groups.actors)
         metrics["perf/tokens_per_s"] = tokens / elapsed
         record_metrics(ctx, writer, step, metrics)
+        record_samples(ctx, writer, step, batch.samples)
         if step == total or step % plan.config.checkpoint.interval == 0:
             _checkpoint(ctx, writer, groups, checkpoints, pending, step, start)
     if publisher is not None:

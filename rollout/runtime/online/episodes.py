@@ -28,7 +28,7 @@ from rollout.engines.base import Completion, Engine, SamplingParams
 from rollout.harness.environments.runner import EnvironmentFault, EnvironmentRunner, Failed
 from rollout.harness.memory import EpisodicMemory
 from rollout.harness.reward_runner import RewardRunner
-from rollout.runtime.online.actor import PromptFormat, Rollout, Row
+from rollout.runtime.online.actor import PromptFormat, Rollout, Row, Sample
 from rollout.runtime.online.batches import RolloutBatch
 from rollout.seeds import derive_seed
 
@@ -136,6 +136,10 @@ class _Episode:
     tool_calls: int | None = None
     """Tool calls made (None: its environment does not report tool calls)."""
     invalid_tool_calls: int = 0
+    observation: str = ""
+    """The first observation (the episode's prompt) as text, for recorded samples."""
+    turns: list[dict[str, str]] = field(default_factory=list)
+    """The messages after it as text (the model's answers, the environment's replies)."""
 
     @property
     def context(self) -> list[int]:
@@ -184,7 +188,17 @@ class EpisodeActor:
         metrics = _episode_metrics(episodes, batch.rewards, finishes, generate_s)
         metrics["perf/score_s"] = time.perf_counter() - scoring_started
         metrics["perf/episode_s"] = time.perf_counter() - started
-        return Rollout(batch=batch, metrics=metrics)
+        samples = [
+            Sample(
+                prompt=e.observation,
+                completion=None,
+                turns=e.turns,
+                reward=float(batch.rewards[i]),
+                extra={"turn_rewards": e.rewards, "solved": e.solved, "failure": e.failure},
+            )
+            for i, e in enumerate(episodes)
+        ]
+        return Rollout(batch=batch, metrics=metrics, samples=samples)
 
     def _start(self, records: list[dict[str, Any]], seed: int) -> list[_Episode]:
         first = self.environment.reset(records, seed=seed)
@@ -199,7 +213,7 @@ class EpisodeActor:
                     environment=self.environment.name,
                     episode=i,
                 )
-            episodes.append(_Episode(prompt, [], [], [], []))
+            episodes.append(_Episode(prompt, [], [], [], [], observation=observation))
         return episodes
 
     def evaluate(self, rows: Sequence[Row], *, seed: int) -> tuple[dict[str, float], int]:
@@ -237,6 +251,7 @@ class EpisodeActor:
                 episode.mask += [1] * len(answer.token_ids)
                 episode.logprobs += answer.logprobs
                 episode.text = answer.text
+                episode.turns.append({"role": "assistant", "content": answer.text})
                 finishes[answer.finish_reason] += 1
             results = self.environment.step(active, [a.text for a in answers])
             still = []
@@ -288,6 +303,7 @@ class EpisodeActor:
             budget=self.settings.max_observation_tokens,
             role=result.role,
         )
+        episode.turns.append({"role": result.role or "user", "content": str(result.observation)})
         episode.tokens += message
         episode.mask += [0] * len(message)
         episode.logprobs += [0.0] * len(message)

@@ -124,6 +124,7 @@ def act_on_step(
     done; then send every learner this actor's summary (queue metrics and `extra`)."""
     plan = ctx.plan
     group = plan.config.algorithm.num_generations
+    samples_per_step = plan.config.logging.samples_per_step
     shares = learner_shares(len(rows) * group, len(groups.learners))
     queue = step_queue(ctx, step, start)
     index = groups.actors.index(ctx.rank)
@@ -149,8 +150,11 @@ def act_on_step(
                 continue  # another holder's copy counted: this one is never sent
             first = chunk.items.start * group
             for learner, (lo, hi) in zip(groups.learners, shares, strict=True):
-                mine = range(max(lo, first), min(hi, first + len(batch)))  # may be empty
-                wire, tensors = to_wire(batch.select([row - first for row in mine]))
+                mine = [row - first for row in range(max(lo, first), min(hi, first + len(batch)))]
+                share = batch.select(mine)  # may be empty
+                if learner == groups.learners[0]:  # it records the first few of the step
+                    share.samples = [rollout.samples[row] for row in mine][:samples_per_step]
+                wire, tensors = to_wire(share)
                 wire.update(step=step, chunk=chunk.index, metrics=rollout.metrics)
                 sends.append(
                     weight_sync.send_message(wire, tensors, learner, message_tag(step, chunk.index))
@@ -178,7 +182,13 @@ def receive_step(
     rollout metrics pooled over every chunk, and the actors' queue metrics."""
     results = None
     if ctx.rank == groups.source:
-        results = step_queue(ctx, step, start).collect(COLLECT_TIMEOUT_S)
+        # The step stays unreleased until the next one is collected: an actor whose completion
+        # raced this collect (read here, but the actor not yet past its own check) must not find
+        # the step released, or it would take its completion for a late duplicate and never send
+        # the rows this learner is about to wait for. By the next collect every learner has
+        # taken this step's rows, so a completion that finds it released then is a duplicate.
+        results = step_queue(ctx, step, start).collect(COLLECT_TIMEOUT_S, release=False)
+        step_queue(ctx, step - 1, start).release()
     if len(groups.learners) > 1:  # the other learners take the first one's (collective)
         results = transport.gather_state(results)[0]
     assert results is not None

@@ -53,7 +53,7 @@ from rollout.runtime.online.shaping import Scoring, TokenAdvantages
 from rollout.runtime.online.tools import build_tool_environment
 from rollout.runtime.phases import PhaseClock
 from rollout.runtime.precision import autocast_dtype
-from rollout.runtime.recording import record_means, record_metrics
+from rollout.runtime.recording import record_means, record_metrics, record_samples
 from rollout.runtime.run_state import RunState
 from rollout.runtime.sidecar_environment import SidecarEnvironment
 from rollout.seeds import derive_seed
@@ -197,6 +197,7 @@ def _train_roles(ctx: WorkerContext, writer: BackgroundWriter, roles: Roles) -> 
         metrics["perf/completions_per_s"] = len(rollout.batch) * ctx.world_size / elapsed
         metrics["perf/tokens_per_s"] = metrics["perf/generated_tokens"] * ctx.world_size / elapsed
         record_metrics(ctx, writer, step, metrics)
+        record_samples(ctx, writer, step, rollout.samples)
 
         last = step == plan.derived.total_steps
         if evaluates and (
