@@ -292,6 +292,19 @@ class EnvironmentSection(TypedDict):
     """The return of an episode its environment failed (on_error = 'fail_episode').
 
     Default: 0.0."""
+    isolation: NotRequired[Literal["in_process", "sidecar"]]
+    """Where a plugin environment runs: in the worker ('in_process'), or in a process of its own
+    ('sidecar', docs/sidecar.md), killed when a reset or step passes timeout_s and restarted
+    at the next reset (a hung or crashed step fails as on_error says; a reset is retried
+    once). Only for a plugin environment (not single_turn, tools or agent) that keeps no
+    episodic memory.
+
+    Default: 'in_process'."""
+    python: NotRequired[str | None]
+    """With isolation = 'sidecar': the Python interpreter the sidecar runs; rollout and the
+    plugin must import there. Default: the Python running rollout.
+
+    Default: None."""
     tools: NotRequired[list[ToolSpec]]
     """The tools of the 'tools' environment ([[environment.tools]] tables), at least one; other
     environments take none."""
@@ -1160,6 +1173,20 @@ class RewardSpec(TypedDict):
     """Longest one call may take; past it the step stops with an error naming the plugin.
 
     Range: > 0. Default: 30.0."""
+    isolation: NotRequired[Literal["in_process", "sidecar"]]
+    """Where the function runs. 'in_process': in the worker, the fastest; a call past timeout_s
+    stops the step, but code stuck in C or holding the GIL (a backtracking regex) is not
+    interrupted, and a segfault ends the worker. 'sidecar': in a process of its own
+    (docs/sidecar.md), killed at timeout_s and restarted with the batch resubmitted once; a
+    crash is survived the same way. Costs a round trip per batch.
+
+    Default: 'in_process'."""
+    python: NotRequired[str | None]
+    """With isolation = 'sidecar': the Python interpreter the sidecar runs (e.g.
+    '/opt/venvs/judge/bin/python'); rollout and the plugin must import there. Default: the
+    Python running rollout. Only with a sidecar.
+
+    Default: None."""
     allow_unsandboxed: NotRequired[bool]
     """Let a reward that runs model-written code (code_tests, or a function with runs_model_code
     = True) run although this host's sandbox lacks a capability (network isolation, ...): the

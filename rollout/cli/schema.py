@@ -17,6 +17,7 @@ class Artifact(str, Enum):
     json = "json"
     python = "python"
     markdown = "markdown"
+    sidecar = "sidecar"
 
 
 ArtifactOption = Annotated[
@@ -24,7 +25,8 @@ ArtifactOption = Annotated[
     typer.Option(
         "--format",
         help="Print only this artifact to stdout (with --check: check only "
-        "it). json: the JSON Schema, python: the .pyi stubs, markdown: the reference.",
+        "it). json: the JSON Schema, python: the .pyi stubs, markdown: the reference, "
+        "sidecar: the sidecar protocol's JSON Schema.",
     ),
 ]
 RootOption = Annotated[

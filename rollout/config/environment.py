@@ -91,6 +91,20 @@ class EnvironmentSection(ConfigModel):
         allow_inf_nan=False,
         description="The return of an episode its environment failed (on_error = 'fail_episode').",
     )
+    isolation: Literal["in_process", "sidecar"] = Field(
+        default="in_process",
+        description="Where a plugin environment runs: in the worker ('in_process'), or in a "
+        "process of its own ('sidecar', docs/sidecar.md), killed when a reset or step passes "
+        "timeout_s and restarted at the next reset (a hung or crashed step fails as on_error "
+        "says; a reset is retried once). Only for a plugin environment (not single_turn, "
+        "tools or agent) that keeps no episodic memory.",
+    )
+    python: str | None = Field(
+        default=None,
+        min_length=1,
+        description="With isolation = 'sidecar': the Python interpreter the sidecar runs; "
+        "rollout and the plugin must import there. Default: the Python running rollout.",
+    )
 
     tools: list[ToolSpec] = Field(
         default_factory=list,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field
 
@@ -88,6 +88,22 @@ class RewardSpec(ConfigModel):
         gt=0,
         description="Longest one call may take; past it the step stops with an error naming the "
         "plugin.",
+    )
+
+    isolation: Literal["in_process", "sidecar"] = Field(
+        default="in_process",
+        description="Where the function runs. 'in_process': in the worker, the fastest; a call "
+        "past timeout_s stops the step, but code stuck in C or holding the GIL (a backtracking "
+        "regex) is not interrupted, and a segfault ends the worker. 'sidecar': in a process of "
+        "its own (docs/sidecar.md), killed at timeout_s and restarted with the batch resubmitted "
+        "once; a crash is survived the same way. Costs a round trip per batch.",
+    )
+    python: str | None = Field(
+        default=None,
+        min_length=1,
+        description="With isolation = 'sidecar': the Python interpreter the sidecar runs "
+        "(e.g. '/opt/venvs/judge/bin/python'); rollout and the plugin must import there. "
+        "Default: the Python running rollout. Only with a sidecar.",
     )
 
     allow_unsandboxed: bool = Field(

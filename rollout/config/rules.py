@@ -629,6 +629,7 @@ def environment_fits_the_run(config: RunConfig) -> Iterator[Issue]:
             hint="remove [environment], or use grpo or rloo",
         )
         return
+    yield from _isolation_fits(env)
     if env.is_single_turn:
         yield from _tool_settings_fit(env, config)
         if env.max_turns != 1:
@@ -679,6 +680,27 @@ def environment_fits_the_run(config: RunConfig) -> Iterator[Issue]:
             "cluster.placement",
             "multi-turn environments run with every role in each process (colocated) for now",
             hint="remove cluster.placement",
+        )
+
+
+def _isolation_fits(env: EnvironmentSection) -> Iterator[Issue]:
+    """A sidecar runs a plugin environment; python names a sidecar's interpreter."""
+    built_in = env.is_single_turn or env.is_tools or env.is_agent
+    if env.isolation == "sidecar" and built_in:
+        yield Issue(
+            "environment.isolation",
+            f"the {env.name!r} environment is part of the worker (it scores with [[rewards]], "
+            "which take isolation themselves); only a plugin environment runs in a sidecar",
+            value="sidecar",
+            hint="remove environment.isolation, or set it on the [[rewards]] entries",
+        )
+    if env.python is not None and env.isolation != "sidecar":
+        yield Issue(
+            "environment.python",
+            "python names the interpreter of a sidecar, and the environment runs in the worker "
+            "(isolation = 'in_process')",
+            value=env.python,
+            hint='set environment.isolation = "sidecar", or remove environment.python',
         )
 
 
@@ -784,6 +806,22 @@ def reward_models_take_no_function_settings(config: RunConfig) -> Iterator[Issue
                 "a reward model scores each (prompt, completion) as it is and takes no options",
                 value=spec.options,
                 hint=f"remove rewards[{i}].options",
+            )
+        if spec.model is not None and spec.fn is None and spec.isolation == "sidecar":
+            yield Issue(
+                f"rewards[{i}].isolation",
+                "a reward model runs in the worker, on its device; only a reward function can "
+                "run in a sidecar",
+                value="sidecar",
+                hint=f"remove rewards[{i}].isolation",
+            )
+        if spec.python is not None and spec.isolation != "sidecar":
+            yield Issue(
+                f"rewards[{i}].python",
+                "python names the interpreter of a sidecar, and this reward runs in the worker "
+                "(isolation = 'in_process')",
+                value=spec.python,
+                hint=f'set rewards[{i}].isolation = "sidecar", or remove rewards[{i}].python',
             )
         if spec.model is not None and spec.fn is None and spec.allow_unsandboxed:
             yield Issue(

@@ -98,6 +98,8 @@ def _run(
 def _call(
     function: RewardFunction, prompts: list[str], completions: list[str], kwargs: dict[str, Any]
 ) -> Any:
+    if getattr(function.fn, "enforces_deadline", False):
+        return _call_sidecar(function, prompts, completions, kwargs)
     # A hung plugin keeps its thread (see rollout.harness.deadline); the RewardError stops the run.
     try:
         return call_with_deadline(
@@ -119,6 +121,18 @@ def _call(
             f"reward {function.name!r} raised {type(error).__name__}: {error}{at}",
             reward=function.name,
         ) from error
+
+
+def _call_sidecar(
+    function: RewardFunction, prompts: list[str], completions: list[str], kwargs: dict[str, Any]
+) -> Any:
+    """A function that keeps its own deadline (a sidecar: rollout.plugins.sidecar.host kills a
+    hung child and resubmits the batch once); called here directly, since a thread of its own
+    would only add a second, shorter clock. Its errors already name the plugin and the batch."""
+    try:
+        return function.fn(prompts, completions, **kwargs)
+    except Exception as error:
+        raise RewardError(f"reward {function.name!r}: {error}", reward=function.name) from error
 
 
 def _columns(rows: list[Mapping[str, Any]]) -> dict[str, list[Any]]:

@@ -59,6 +59,11 @@ from rollout.planner.placement import build_graph, max_restarts
 from rollout.planner.reward_model import model_directory_of, resolve_reward_model
 from rollout.planner.reward_sandbox import reward_sandbox
 from rollout.planner.runnable import run_refusals
+from rollout.planner.sidecar_check import (
+    environment_sidecar_issues,
+    sidecar_issues,
+    sidecar_python,
+)
 from rollout.planner.store_check import store_issues
 from rollout.planner.tools import resolve_tools
 from rollout.planner.trackers import tracker_issues
@@ -134,6 +139,7 @@ def _build(
     with tracing.span("plan.rewards"):
         rewards = _resolve_rewards(run_config, base, fields, issues)
     environment = _resolve_environment(run_config, base, issues)
+    environment_python = _environment_sidecar(run_config, environment, base, issues)
     eval_suites = inspect_suites(run_config, base, issues)
     device = _resolve_device(run_config, hardware, issues)
     if model is not None:
@@ -183,6 +189,7 @@ def _build(
         derived=derived,
         rewards=rewards,
         environment=environment,
+        environment_python=environment_python,
         tools=tools.records,
         tool_sandbox=tools.sandbox,
         model=model,
@@ -310,8 +317,11 @@ def _resolve_rewards(
         if resolved is None:
             continue
         sandbox = reward_sandbox(spec, i, resolved.fn, issues)
+        isolation = _sidecar(spec, i, resolved.identity, base, issues)
         records.append(
-            FunctionRewardRecord(**_reward_settings(spec, resolved.identity), sandbox=sandbox)
+            FunctionRewardRecord(
+                **_reward_settings(spec, resolved.identity), sandbox=sandbox, **isolation
+            )
         )
         accepted = accepted_keywords(resolved.fn)
         readers = None if readers is None or accepted is None else readers | accepted
@@ -421,6 +431,36 @@ def _resolve_environment(
     return resolved.identity
 
 
+def _environment_sidecar(
+    config: RunConfig, identity: PluginIdentity | None, base: Path, issues: list[Issue]
+) -> str | None:
+    """A sidecar environment's interpreter, once its sidecar was built with its options and
+    pinged here (the worker's, started the same way)."""
+    from rollout.harness.memory import takes_memory
+    from rollout.plugins.resolve import load_plugin
+
+    spec = config.environment
+    if spec is None or spec.isolation != "sidecar" or identity is None:
+        return None
+    if takes_memory(load_plugin(identity)):
+        issues.append(
+            Issue(
+                "environment.isolation",
+                f"{spec.name} keeps an episodic memory, which lives in the worker: it cannot run "
+                "in a sidecar",
+                value="sidecar",
+                hint="remove environment.isolation",
+            )
+        )
+        return None
+    python, problem = sidecar_python(spec.python, "environment.python", base)
+    if problem is not None:
+        issues.append(problem)
+        return None
+    issues.extend(environment_sidecar_issues(spec, identity, python))
+    return python
+
+
 def _agent_issues(options: dict[str, Any], base: Path) -> list[Issue]:
     """The agent environment's options, and whether its command can be found from here."""
     from rollout.harness.agents import AgentSpec, missing_program
@@ -455,6 +495,18 @@ def _plays(config: RunConfig) -> bool:
     the rows)."""
     env = config.environment
     return env is not None and not env.is_single_turn and not env.is_tools
+
+
+def _sidecar(
+    spec: RewardSpec, index: int, identity: PluginIdentity, base: Path, issues: list[Issue]
+) -> dict[str, Any]:
+    """The record's isolation settings; a sidecar is started and pinged here first."""
+    if spec.isolation != "sidecar":
+        return {}
+    python, problem = sidecar_python(spec.python, f"rewards[{index}].python", base)
+    found = [problem] if problem is not None else sidecar_issues(spec, index, identity, python)
+    issues.extend(found)
+    return {"isolation": "sidecar", "python": python}
 
 
 def _reward_model(spec: RewardSpec, base: Path, used_by: str) -> ModelRewardRecord:

@@ -81,6 +81,15 @@ class FunctionRewardRecord(_Reward):
         description="The sandbox choice, when the function runs model-written code (it is "
         "passed require_network_isolation from here); None when it runs none.",
     )
+    isolation: Literal["in_process", "sidecar"] = Field(
+        default="in_process",
+        description="Where the worker runs it: in its own process ('in_process') or in a "
+        "sidecar process (rollout.plugins.sidecar), which the plan started and pinged.",
+    )
+    python: str | None = Field(
+        default=None,
+        description="The sidecar's interpreter, as resolved at plan time (None: the worker's own).",
+    )
 
 
 class ModelRewardRecord(_Reward):
@@ -290,6 +299,11 @@ class Plan(Frozen):
     environment: PluginIdentity | None = Field(
         default=None,
         description="What config.environment.name resolved to; None without [environment].",
+    )
+    environment_python: str | None = Field(
+        default=None,
+        description="With environment.isolation = 'sidecar': the interpreter its sidecar "
+        "runs, resolved at plan time (None: the worker's own Python).",
     )
     tools: list[ToolRecord] = Field(
         default_factory=list, description="config.environment.tools resolved, in order."

@@ -8,7 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rollout.config.algorithm import ONLINE_KINDS, REFERENCE_KINDS
-from rollout.planner.definition import Plan, ToolSandbox
+from rollout.planner.definition import FunctionRewardRecord, Plan, ToolSandbox
 from rollout.planner.memory import (
     BYTES_PER_PARAM,
     GenerationShape,
@@ -237,13 +237,31 @@ def _plugins(plan: Plan) -> Table:
     table.add_column("reference", overflow="fold")
     table.add_column("resolved to", overflow="fold")
     table.add_column("identity", overflow="fold")
+    table.add_column("runs in", overflow="fold")
+    sidecars = _sidecars(plan)
     for plugin in plan.plugins:
         if plugin.distribution:
             identity = f"{plugin.distribution} {plugin.version}"
         else:
             identity = f"sha256 {plugin.sha256[:12] if plugin.sha256 else '?'}"
-        table.add_row(plugin.used_by, plugin.ref, f"{plugin.module}:{plugin.qualname}", identity)
+        runs_in = sidecars.get(plugin.used_by, "worker")
+        table.add_row(
+            plugin.used_by, plugin.ref, f"{plugin.module}:{plugin.qualname}", identity, runs_in
+        )
     return table
+
+
+def _sidecars(plan: Plan) -> dict[str, str]:
+    """used_by -> "sidecar (its python)" for each plugin that runs in a sidecar."""
+    found = {
+        record.plugin.used_by: record.python
+        for record in plan.rewards
+        if isinstance(record, FunctionRewardRecord) and record.isolation == "sidecar"
+    }
+    env = plan.config.environment
+    if plan.environment is not None and env is not None and env.isolation == "sidecar":
+        found[plan.environment.used_by] = plan.environment_python
+    return {used_by: f"sidecar ({python or 'this python'})" for used_by, python in found.items()}
 
 
 def _environment(plan: Plan) -> Group:

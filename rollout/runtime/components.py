@@ -18,6 +18,7 @@ from rollout.planner.definition import (
     RewardRecord,
 )
 from rollout.plugins.resolve import load_plugin
+from rollout.plugins.sidecar.host import SidecarCallable, SidecarHost, server_argv
 from rollout.runtime.precision import MasterWeightAdamW
 
 log = logging.getLogger("rollout.rewards")
@@ -125,4 +126,11 @@ def _reward_callable(record: RewardRecord, device: str) -> Callable[..., Any]:
         from rollout.harness.model_reward import ModelReward
 
         return ModelReward(Path(record.directory), device=device)
+    if record.isolation == "sidecar":
+        # Started now, so a sidecar that cannot start stops the worker before step 1.
+        host = SidecarHost(
+            server_argv(record.python, record.plugin.ref, record.plugin.model_dump_json()),
+            name=record.name,
+        )
+        return SidecarCallable(host, timeout_s=record.timeout_s)
     return load_plugin(record.plugin)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from rollout.schema.jsonschema import build_schema, schema_text
+from rollout.schema.jsonschema import build_schema, schema_text, sidecar_schema_text
 from rollout.schema.reference import build_reference
 from rollout.schema.stubs import build_stubs
 
@@ -14,12 +14,14 @@ PATHS = {
     "json": "schemas/rollout.schema.json",
     "python": "stubs/rollout_config.pyi",
     "markdown": "docs/config-reference.md",
+    "sidecar": "schemas/sidecar-protocol.schema.json",
 }
 
 _BUILDERS: dict[str, Callable[[], str]] = {
     "json": schema_text,
     "python": lambda: build_stubs(build_schema()),
     "markdown": build_reference,
+    "sidecar": sidecar_schema_text,
 }
 
 

@@ -39,3 +39,11 @@ def build_schema() -> dict[str, Any]:
 def schema_text() -> str:
     """The schema as committed: 2-space JSON, UTF-8 text kept readable, one trailing newline."""
     return json.dumps(build_schema(), indent=2, ensure_ascii=False) + "\n"
+
+
+def sidecar_schema_text() -> str:
+    """The sidecar protocol's messages (rollout.plugins.sidecar.protocol), formatted the same way:
+    what a sidecar in another language is written against."""
+    from rollout.plugins.sidecar.protocol import protocol_schema
+
+    return json.dumps(protocol_schema(), indent=2, ensure_ascii=False) + "\n"

@@ -1080,6 +1080,27 @@ SECTION_CASES: dict[str, list[Case]] = {
         )
     ],
     "environment.tool_format": [run_shows("grpo", {"environment.tool_format": "json"}, base=TOOLS)],
+    # Killed at its deadline in a sidecar ("(killed)"), where in-process the step only stops
+    # waiting ("did not return within"); the rest is tests/unit/test_sidecar_environment.py's.
+    "environment.isolation": [
+        run_shows(
+            "grpo",
+            {"environment.isolation": "sidecar", "environment.timeout_s": 0.01},
+            lambda run: "(killed)" in (run.error or ""),
+            base=CHARS,
+            fails=True,
+        ),
+        refused("grpo", {"environment.isolation": "sidecar"}, base=TOOLS),
+    ],
+    "environment.python": [
+        refused("grpo", {"environment.python": sys.executable}, base=CHARS),
+        plan_shows(
+            "grpo",
+            {"environment.python": sys.executable, "environment.isolation": "sidecar"},
+            lambda plan: plan.environment_python,
+            base=CHARS,
+        ),
+    ],
     "environment.allow_unsandboxed": [
         plan_shows(
             "grpo",
@@ -1099,6 +1120,23 @@ SECTION_CASES: dict[str, list[Case]] = {
             base=CODE_REWARD,
         ),
         refused("grpo", {"rewards[0].allow_unsandboxed": True}),
+    ],
+    # The sidecar's behaviour (killed at its deadline, restarted, resubmitted) is
+    # tests/unit/test_sidecar_host.py's; tests/integration/test_run_sidecar.py runs one.
+    "rewards[].isolation": [
+        plan_shows(
+            "grpo", {"rewards[0].isolation": "sidecar"}, lambda plan: plan.rewards[0].isolation
+        ),
+        refused("grpo", {"rewards[0].isolation": "sidecar"}, base=REWARD_MODEL),
+    ],
+    "rewards[].python": [
+        refused("grpo", {"rewards[0].python": sys.executable}),
+        refused("grpo", {"rewards[0].python": "./no-python", "rewards[0].isolation": "sidecar"}),
+        plan_shows(
+            "grpo",
+            {"rewards[0].python": sys.executable, "rewards[0].isolation": "sidecar"},
+            lambda plan: plan.rewards[0].python,
+        ),
     ],
     "rewards[].timeout_s": [
         run_shows("grpo", {"rewards[1].timeout_s": 0.02}, timed_out, base=SLOW_REWARD, fails=True),

@@ -26,7 +26,8 @@ reading user-named files, content fingerprints, seeds derived from the run's roo
 installed version, named spans (OpenTelemetry imported only once tracing is configured)."""
 ALLOWED = {
     "config": set(),  # pydantic models of the config: the bottom of the tree
-    "schema": {"config"},  # generated from the config models
+    # generated from the config models, and the sidecar protocol's messages (plugins.sidecar)
+    "schema": {"config", "plugins"},
     "plugins": set(),  # resolving references and their identity: knows nothing of a plan
     "storage": set(),  # the run store: rows in, rows out
     "algorithms": set(),  # pure tensor maths

@@ -109,6 +109,13 @@ class EnvironmentRunner:
             close()
 
     def _call(self, what: str, fn: Any, count: int) -> Any:
+        if getattr(self.environment, "enforces_deadline", False):
+            # A sidecar kills a call past timeout_s itself; its errors name the environment
+            # and the episodes (rollout.runtime.sidecar_environment).
+            try:
+                return fn()
+            except Exception as error:
+                raise self._fault(f"{what} failed: {error}") from error
         try:
             return call_with_deadline(fn, self.timeout_s, name=f"environment-{self.name}")
         except Overran:

@@ -36,6 +36,7 @@ from rollout.models.lora import Adapters, add_adapters
 from rollout.planner.definition import Plan
 from rollout.planner.placement import is_disaggregated
 from rollout.plugins.resolve import load_plugin
+from rollout.plugins.sidecar.host import SidecarHost, server_argv
 from rollout.runtime.checkpoint import Extra, LoopFiles
 from rollout.runtime.components import build_optimizer, build_reward_functions, build_scheduler
 from rollout.runtime.context import WorkerContext
@@ -54,6 +55,7 @@ from rollout.runtime.phases import PhaseClock
 from rollout.runtime.precision import autocast_dtype
 from rollout.runtime.recording import record_means, record_metrics, record_samples
 from rollout.runtime.run_state import RunState
+from rollout.runtime.sidecar_environment import SidecarEnvironment
 from rollout.seeds import derive_seed
 from rollout.storage.writer import BackgroundWriter
 
@@ -355,6 +357,18 @@ def build_actor(
     elif spec.is_tools:
         environment = build_tool_environment(plan, score, prompt_format.prompt_field)
         memory = None
+    elif spec.isolation == "sidecar":
+        host = SidecarHost(
+            server_argv(
+                plan.environment_python,
+                spec.name,
+                plan.environment.model_dump_json(),
+                build=spec.options,
+            ),
+            name=spec.name,
+        )
+        environment = SidecarEnvironment(host, timeout_s=spec.timeout_s)
+        memory = None  # refused at plan time: the memory lives in the worker
     else:
         factory = load_plugin(plan.environment)
         memory = EpisodicMemory() if takes_memory(factory) else None
