@@ -706,11 +706,14 @@ class KtoConfig(TypedDict):
     Range: > 0. Default: 1.0."""
 
 class LoggingSection(TypedDict):
-    trackers: NotRequired[list[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]]]
+    trackers: NotRequired[list[str]]
     """Metric sinks besides the run store (which always records): console (progress bar and
     summary), jsonl (metrics.jsonl in the run directory), tensorboard (event files in
     <run_dir>/tensorboard; needs rollout[tensorboard]), wandb (Weights & Biases; needs
-    rollout[wandb]), mlflow (needs rollout[mlflow]). See docs/trackers.md."""
+    rollout[wandb]), mlflow (needs rollout[mlflow]), or a tracker plugin:
+    'package.module:factory', './file.py:factory' or an entry point in the 'rollout.trackers'
+    group, called as factory(run_id=..., run_dir=...) for an object with log(rows) and
+    close(). See docs/trackers.md."""
     level: NotRequired[Literal["debug", "info", "warning", "error"]]
     """Lowest log level recorded.
 

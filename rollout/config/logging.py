@@ -2,14 +2,35 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import difflib
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from rollout.config.base import ConfigModel
+from rollout.config.rewards import check_plugin_ref
 from rollout.config.secrets import Location, SecretRef
 
 Tracker = Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]
+BUILTIN_TRACKERS: tuple[str, ...] = Tracker.__args__  # type: ignore[attr-defined]
+
+
+def check_tracker(value: str) -> str:
+    """A built-in tracker's name, or a tracker plugin's reference (resolved at plan). A bare name
+    close to a built-in's is taken for a typo of it, not for an entry point's name."""
+    if value in BUILTIN_TRACKERS:
+        return value
+    check_plugin_ref(value)
+    if ":" not in value and (near := difflib.get_close_matches(value, BUILTIN_TRACKERS, 1)):
+        raise ValueError(f"no tracker {value!r}; did you mean {near[0]!r}?")
+    return value
+
+
+TrackerRef = Annotated[
+    str,
+    AfterValidator(check_tracker),
+    Field(examples=[*BUILTIN_TRACKERS, "my_pkg.trackers:make", "./tracker.py:make"]),
+]
 
 TRACKER_OPTIONS: dict[str, tuple[str, ...]] = {
     "wandb": ("wandb_project", "wandb_api_key"),
@@ -23,12 +44,15 @@ metrics_port."""
 
 
 class LoggingSection(ConfigModel):
-    trackers: list[Tracker] = Field(
+    trackers: list[TrackerRef] = Field(
         default_factory=lambda: ["console"],
         description="Metric sinks besides the run store (which always records): console (progress "
         "bar and summary), jsonl (metrics.jsonl in the run directory), tensorboard (event files "
         "in <run_dir>/tensorboard; needs rollout[tensorboard]), wandb (Weights & Biases; needs "
-        "rollout[wandb]), mlflow (needs rollout[mlflow]). See docs/trackers.md.",
+        "rollout[wandb]), mlflow (needs rollout[mlflow]), or a tracker plugin: "
+        "'package.module:factory', './file.py:factory' or an entry point in the "
+        "'rollout.trackers' group, called as factory(run_id=..., run_dir=...) for an object with "
+        "log(rows) and close(). See docs/trackers.md.",
     )
     level: Literal["debug", "info", "warning", "error"] = Field(
         default="info", description="Lowest log level recorded."

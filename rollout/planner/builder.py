@@ -66,7 +66,7 @@ from rollout.planner.sidecar_check import (
 )
 from rollout.planner.store_check import store_issues
 from rollout.planner.tools import resolve_tools
-from rollout.planner.trackers import tracker_issues
+from rollout.planner.trackers import resolve_trackers, tracker_issues
 from rollout.plugins.identity import PluginIdentity, installed_version
 from rollout.seeds import derive_seed
 from rollout.version import __version__
@@ -157,6 +157,7 @@ def _build(
             )
         )
     issues.extend(tracker_issues(run_config))
+    trackers = resolve_trackers(run_config, base, issues)
     issues.extend(store_issues(run_config))
     graph = build_graph(run_config, device) if device is not None else None
     if graph is not None:
@@ -192,6 +193,7 @@ def _build(
         environment_python=environment_python,
         tools=tools.records,
         tool_sandbox=tools.sandbox,
+        trackers=trackers,
         model=model,
         data=data,
         eval_suites=eval_suites,

@@ -311,6 +311,11 @@ class Plan(Frozen):
     tool_sandbox: ToolSandbox | None = Field(
         default=None, description="The sandbox choice, when a tool runs model-written code."
     )
+    trackers: list[PluginIdentity] = Field(
+        default_factory=list,
+        description="What each tracker plugin in config.logging.trackers resolved to, in order "
+        "(built-in trackers have none).",
+    )
     model: ModelFacts
     data: list[DataFacts]
     eval_suites: list[SuiteFacts] = Field(
@@ -348,4 +353,5 @@ class Plan(Frozen):
         rewards = [reward.plugin for reward in self.rewards]
         environment = [self.environment] if self.environment is not None else []
         scorers = [suite.scorer_plugin for suite in self.eval_suites if suite.scorer_plugin]
-        return rewards + environment + [tool.plugin for tool in self.tools] + scorers
+        tools = [tool.plugin for tool in self.tools]
+        return rewards + environment + tools + scorers + list(self.trackers)

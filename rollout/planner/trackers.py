@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 
 import rollout.tracing as tracing
+from rollout.config.logging import BUILTIN_TRACKERS
 from rollout.config.root import RunConfig
-from rollout.errors import Issue
+from rollout.errors import Issue, PlanError
+from rollout.plugins.identity import PluginIdentity
 
 
 @dataclass(frozen=True)
@@ -60,3 +63,34 @@ def tracker_issues(config: RunConfig) -> list[Issue]:
             )
         )
     return issues
+
+
+def resolve_trackers(config: RunConfig, base: Path, issues: list[Issue]) -> list[PluginIdentity]:
+    """Each tracker plugin of [logging] trackers imported once here (in a child first, so one
+    that hangs on import is named rather than waited on), and checked to be callable: the
+    worker calls it as factory(run_id=..., run_dir=...)."""
+    from rollout.plugins.probe import probe_imports
+    from rollout.plugins.registry import TRACKER_GROUP
+    from rollout.plugins.resolve import import_probe, resolve_plugin
+
+    plugins = [
+        (f"logging.trackers[{i}]", ref)
+        for i, ref in enumerate(config.logging.trackers)
+        if ref not in BUILTIN_TRACKERS
+    ]
+    # The built-ins are listed in the hint for a name that is none of them or an entry point.
+    where = {"base_dir": base, "group": TRACKER_GROUP, "builtins": dict.fromkeys(BUILTIN_TRACKERS)}
+    probes = [import_probe(ref, used_by=path, **where) for path, ref in plugins]
+    failed = probe_imports([probe for probe in probes if probe is not None])
+    identities = []
+    for path, ref in plugins:
+        if path in failed:
+            issues.append(failed[path])
+            continue
+        try:
+            resolved = resolve_plugin(ref, used_by=path, **where)
+        except PlanError as error:
+            issues.extend(error.issues)
+            continue
+        identities.append(resolved.identity)
+    return identities

@@ -13,10 +13,11 @@ installed package would silently stop being found:
     environment   rollout.environments   [environment] name
     tool          rollout.tools          [[environment.tools]] name
     scorer        rollout.scorers        [[eval.suites]] scorer
+    tracker       rollout.trackers       [logging] trackers
 
-Engines ([generation] engine) and trackers ([logging] trackers) are closed choices in the config
-(the names it accepts are fixed), so they have no group: an installed package cannot add one, and
-listing one would promise what a run then refuses.
+Engines ([generation] engine) are a closed choice in the config (the names it accepts are fixed),
+so they have no group: an installed package cannot add one, and listing one would promise what a
+run then refuses.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ REWARD_GROUP = "rollout.rewards"
 ENVIRONMENT_GROUP = "rollout.environments"
 TOOL_GROUP = "rollout.tools"
 SCORER_GROUP = "rollout.scorers"
+TRACKER_GROUP = "rollout.trackers"
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,7 @@ KINDS: dict[str, PluginKind] = {
         ),
         PluginKind(
             "tracker",
-            None,
+            TRACKER_GROUP,
             # The console tracker is the host's (drawn from the run store), the rest the workers'.
             ("rollout.runtime.trackers:HOST_TRACKERS", "rollout.runtime.trackers:TRACKERS"),
             "rollout.runtime.trackers:Tracker",

@@ -33,6 +33,7 @@ from rollout.storage.base import MetricRecord
 
 if TYPE_CHECKING:
     from rollout.planner.definition import Plan
+    from rollout.plugins.identity import PluginIdentity
     from rollout.storage.writer import MetricSink
 
 log = logging.getLogger("rollout.trackers")
@@ -319,10 +320,55 @@ HOST_TRACKERS = frozenset({"console"})
 """Trackers the host draws from the run store; workers have nothing to do for them."""
 
 
+class PluginTracker:
+    """A tracker plugin ([logging] trackers = ["my_pkg.trackers:make"], a file or an entry
+    point), resolved at plan time. Built on its first rows, on the sink's thread, as every
+    tracker opens: `factory(run_id=..., run_dir=...)` returns an object with `log(rows)` and
+    `close()`. A factory that raises, or returns something else, is disabled like a tracker
+    that fails: one warning naming it, and the run goes on."""
+
+    def __init__(self, identity: PluginIdentity, run_id: str, run_dir: str):
+        self.name = identity.ref
+        self.identity = identity
+        self.run_id, self.run_dir = run_id, run_dir
+        self._tracker: Any = None
+
+    def log(self, rows: Sequence[MetricRecord]) -> None:
+        if self._tracker is None:
+            self._tracker = self._build()
+        self._tracker.log(rows)
+
+    def close(self) -> None:
+        if self._tracker is not None:
+            self._tracker.close()
+
+    def _build(self) -> Any:
+        from rollout.plugins.resolve import load_plugin
+
+        built = load_plugin(self.identity)(run_id=self.run_id, run_dir=self.run_dir)
+        missing = [name for name in ("log", "close") if not callable(getattr(built, name, None))]
+        if missing:
+            raise TypeError(
+                f"{self.identity.used_by} = {self.name!r} returned a {type(built).__name__}, "
+                f"which has no {' or '.join(f'{name}()' for name in missing)}: a tracker "
+                "plugin returns an object with log(rows) and close()"
+            )
+        return built
+
+
 def build_trackers(plan: Plan) -> list[Tracker]:
     """The plan's worker-side trackers, in their configured order (nothing opens yet)."""
-    names = [name for name in plan.config.logging.trackers if name not in HOST_TRACKERS]
-    return [TRACKERS[name](plan) for name in names]
+    plugins = {identity.ref: identity for identity in plan.trackers}
+    trackers: list[Tracker] = []
+    for name in plan.config.logging.trackers:
+        if name in HOST_TRACKERS:
+            continue
+        if name in TRACKERS:
+            trackers.append(TRACKERS[name](plan))
+        else:
+            run_dir = plan.derived.run_dir
+            trackers.append(PluginTracker(plugins[name], plan.run_id, run_dir))
+    return trackers
 
 
 def metric_sinks(plan: Plan, rank: int) -> list[MetricSink]:

@@ -6,6 +6,7 @@ Drives the CLI in a subprocess on the tiny model for 2 steps, W&B in offline mod
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -28,9 +29,33 @@ pytestmark = pytest.mark.slow
 
 FAKE_KEY = "f" * 40  # read by the worker at run time; must reach no file
 
+# A tracker plugin ([logging] trackers = ["./tracker.py:make"]): each row as a JSON line.
+PLUGIN_TRACKER = """
+import json
+import os
+
+
+class Lines:
+    def __init__(self, run_id, run_dir):
+        self.path = os.path.join(run_dir, "plugin-metrics.jsonl")
+
+    def log(self, rows):
+        with open(self.path, "a") as file:
+            for row in rows:
+                file.write(json.dumps([row.name, row.step, row.value]) + "\\n")
+
+    def close(self):
+        pass
+
+
+def make(run_id, run_dir):
+    return Lines(run_id, run_dir)
+"""
+
 
 def run_with_trackers(tmp_path: Path) -> subprocess.CompletedProcess:
     shutil.copytree(EXAMPLES, tmp_path / "examples")
+    (tmp_path / "examples" / "tracker.py").write_text(PLUGIN_TRACKER)
     env = {
         **os.environ,
         "ROLLOUT_CACHE": str(tmp_path / "cache"),
@@ -42,7 +67,7 @@ def run_with_trackers(tmp_path: Path) -> subprocess.CompletedProcess:
         "ROLLOUT_TEST_WANDB_KEY": FAKE_KEY,
     }
     overrides = [
-        'logging.trackers=["console","jsonl","tensorboard","wandb","mlflow"]',
+        'logging.trackers=["console","jsonl","tensorboard","wandb","mlflow","./tracker.py:make"]',
         "logging.wandb_project=rollout-integration",
         "logging.wandb_api_key=env:ROLLOUT_TEST_WANDB_KEY",
         "logging.interval=2",
@@ -91,10 +116,21 @@ def test_every_tracker_holds_what_the_run_store_holds(tmp_path):
     mlflow_runs = read_mlflow((run_dir / "mlruns").as_uri(), "grpo-tiny")
     assert sorted_series(mlflow_runs[record.run_id]) == sorted_series(stored)
 
+    lines = (run_dir / "plugin-metrics.jsonl").read_text().splitlines()
+    plugin_rows = [json.loads(line) for line in lines]
+    assert sorted_series(series_of(plugin_rows)) == sorted_series(stored)
+
     leaked = [p for p in tmp_path.rglob("*") if p.is_file() and FAKE_KEY.encode() in p.read_bytes()]
     assert leaked == []
     failures = [log.message for log in store.logs(record.run_id) if "tracker" in log.message]
     assert [m for m in failures if "failed" in m or "busy" in m] == []
+
+
+def series_of(rows: list[list]) -> dict[str, list[tuple[int, float | None]]]:
+    series: dict[str, list[tuple[int, float | None]]] = {}
+    for name, step, value in rows:
+        series.setdefault(name, []).append((step, value))
+    return series
 
 
 def sorted_series(series: dict) -> list[tuple[str, int, float | None]]:

@@ -359,3 +359,103 @@ def test_an_option_of_a_tracker_that_is_not_enabled_is_refused(base_config, opti
     if tracker == "wandb":
         config["logging"]["wandb_project"] = "p"
     validate_config(config)  # enabled: accepted
+
+
+# --- tracker plugins ([logging] trackers = ["./tracker.py:make"])
+
+PLUGIN_TRACKER = '''
+import json
+import os
+
+
+class LinesTracker:
+    """Appends each row to <run_dir>/plugin-rows.jsonl."""
+
+    def __init__(self, run_id, run_dir):
+        self.run_id, self.path = run_id, os.path.join(run_dir, "plugin-rows.jsonl")
+        os.makedirs(run_dir, exist_ok=True)
+
+    def log(self, rows):
+        with open(self.path, "a") as file:
+            for row in rows:
+                file.write(json.dumps([self.run_id, row.step, row.name, row.value]) + "\\n")
+
+    def close(self):
+        with open(self.path, "a") as file:
+            file.write("closed\\n")
+
+
+def make(run_id, run_dir):
+    return LinesTracker(run_id, run_dir)
+
+
+def not_a_tracker(run_id, run_dir):
+    return {"run_id": run_id}
+'''
+
+
+def test_a_tracker_plugin_is_resolved_at_plan_and_gets_every_row(make_plan, tmp_path):
+    (tmp_path / "tracker.py").write_text(PLUGIN_TRACKER)
+    plan = make_plan(trackers=["console", "./tracker.py:make", "jsonl"])
+    (identity,) = plan.trackers
+    assert (identity.used_by, identity.kind) == ("logging.trackers[1]", "file")
+    trackers = build_trackers(plan)
+    assert [t.name for t in trackers] == ["./tracker.py:make", "jsonl"]
+    sink = TrackerSink(trackers)
+    for batch in BATCHES:
+        sink.log(batch)
+    sink.close()
+    lines = (Path(plan.derived.run_dir) / "plugin-rows.jsonl").read_text().splitlines()
+    assert lines[-1] == "closed"
+    written = [json.loads(line) for line in lines[:-1]]
+    expected = [[plan.run_id, r.step, r.name, r.value] for batch in BATCHES for r in batch]
+    assert written == expected
+
+
+def test_an_edited_tracker_plugin_makes_the_plan_stale(make_plan, tmp_path):
+    from rollout.planner.lockfile import stale_reasons
+
+    (tmp_path / "tracker.py").write_text(PLUGIN_TRACKER)
+    plan = make_plan(trackers=["./tracker.py:make"])
+    assert stale_reasons(plan) == []
+    (tmp_path / "tracker.py").write_text(PLUGIN_TRACKER + "\n# edited\n")
+    (reason,) = stale_reasons(plan)
+    assert reason.path == "logging.trackers[0]" and "changed since planning" in reason.message
+
+
+@pytest.mark.parametrize(
+    ("ref", "says"),
+    [
+        ("./missing.py:make", "missing.py"),
+        ("./tracker.py:nothing_here", "nothing_here"),
+        ("no_such_tracker_entry_point", "no_such_tracker_entry_point"),
+    ],
+)
+def test_a_tracker_plugin_that_does_not_resolve_is_refused_at_plan(make_plan, tmp_path, ref, says):
+    (tmp_path / "tracker.py").write_text(PLUGIN_TRACKER)
+    with pytest.raises(PlanError) as caught:
+        make_plan(trackers=[ref])
+    (issue,) = caught.value.issues
+    assert issue.path == "logging.trackers[0]"
+    assert says in f"{issue.message} {issue.hint} {issue.value}"
+
+
+def test_a_tracker_name_close_to_a_built_in_is_a_typo_at_validate(base_config):
+    with pytest.raises(ConfigError) as caught:
+        validate_config({**base_config, "logging": {"trackers": ["tensorbord"]}})
+    (issue,) = caught.value.issues
+    assert issue.path == "logging.trackers[0]" and "did you mean 'tensorboard'" in issue.message
+
+
+def test_a_tracker_factory_returning_no_tracker_is_disabled_naming_it(
+    make_plan, tmp_path, warnings
+):
+    (tmp_path / "tracker.py").write_text(PLUGIN_TRACKER)
+    plan = make_plan(trackers=["./tracker.py:not_a_tracker", "jsonl"])
+    sink = TrackerSink(build_trackers(plan))
+    for batch in BATCHES:
+        sink.log(batch)
+    sink.close()
+    (warning,) = warnings
+    assert "./tracker.py:not_a_tracker" in warning and "log() or close()" in warning
+    assert read_jsonl(Path(plan.derived.run_dir) / "metrics.jsonl") == EXPECTED  # jsonl went on
