@@ -74,7 +74,7 @@ def test_the_groups_are_the_ones_plugins_were_installed_under():
         "tool": "rollout.tools",
         "scorer": "rollout.scorers",
         "engine": None,
-        "tracker": None,
+        "tracker": "rollout.trackers",
     }
 
 
