@@ -319,7 +319,7 @@ class SqlRunStore(ABC):
         # Keys are chosen now, once: written again after a dropped connection, a line that
         # made it the first time is not added twice.
         values = [
-            (*row[:6], row[6] if len(row) > 6 else None, key)
+            (*row[:5], storable_text(row[5]), row[6] if len(row) > 6 else None, key)
             for row, key in zip(rows, self._log_keys(len(rows)), strict=True)
         ]
         run_ids = sorted({row[0] for row in rows})
@@ -505,16 +505,24 @@ SAMPLE_COLUMNS = (
 )
 
 
+def storable_text(text: str) -> str:
+    """`text` as both backends store it: Postgres text cannot hold NUL (a random model's
+    completion, a plugin's log line can), so it becomes U+FFFD, in SQLite too, so that either
+    store reads back the same string. JSON columns need nothing: json.dumps escapes NUL."""
+    return text.replace("\x00", "\ufffd")
+
+
 def _sample_row(record: SampleRecord) -> tuple[Any, ...]:
     turns = None if record.turns is None else json.dumps(record.turns, ensure_ascii=False)
     reward = None if math.isnan(record.reward) else record.reward
     extra = json.dumps(record.extra, ensure_ascii=False, sort_keys=True, default=str)
+    completion = None if record.completion is None else storable_text(record.completion)
     return (
         record.run_id,
         record.step,
         record.index,
-        record.prompt,
-        record.completion,
+        storable_text(record.prompt),
+        completion,
         turns,
         reward,
         extra,

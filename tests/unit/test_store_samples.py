@@ -122,3 +122,17 @@ def test_metric_buckets_match_thinning_in_python(store):
     assert buckets[4] == (40, None, None, None)
     for got, want in zip(buckets, expected, strict=True):
         assert got == pytest.approx(want), (got, want)
+
+
+def test_nul_in_a_completion_or_a_log_line_is_stored_alike_on_both_backends(store):
+    """A random model's completion can hold NUL, which Postgres text refuses (a run on Postgres
+    failed on it): both stores keep it as U+FFFD, the rest of the text as written."""
+    turns = [{"role": "assistant", "content": "a\x00b"}]
+    store.add_samples(
+        [sample(1, 0, completion="x\x00y"), sample(1, 1, completion=None, turns=turns)]
+    )
+    first, second = store.samples("r1")
+    assert first.completion == "x\ufffdy" and second.turns == turns  # JSON escapes NUL itself
+    store.add_logs([("r1", time.time(), "info", 0, "actor", "said \x00 this")])
+    (line,) = store.logs("r1")
+    assert line.message == "said \ufffd this"
