@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field
@@ -21,8 +20,11 @@ def check_tracker(value: str) -> str:
     if value in BUILTIN_TRACKERS:
         return value
     check_plugin_ref(value)
-    if ":" not in value and (near := difflib.get_close_matches(value, BUILTIN_TRACKERS, 1)):
-        raise ValueError(f"no tracker {value!r}; did you mean {near[0]!r}?")
+    if ":" not in value:
+        from rollout.config.translate import did_you_mean_choice
+
+        if (hint := did_you_mean_choice(value, list(BUILTIN_TRACKERS))) is not None:
+            raise ValueError(f"no tracker {value!r}; {hint}")
     return value
 
 

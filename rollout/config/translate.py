@@ -128,7 +128,7 @@ def _issue_for(error: Mapping[str, Any], path: str, parent: Any) -> Issue:
             tag_path,
             f"unknown {discriminator}; expected one of {_join(tags)}",
             value=ctx.get("tag"),
-            hint=_did_you_mean(str(ctx.get("tag")), tags),
+            hint=did_you_mean_choice(str(ctx.get("tag")), tags),
         )
     if kind == "literal_error":
         choices = _split_choices(ctx.get("expected", ""))
@@ -136,7 +136,7 @@ def _issue_for(error: Mapping[str, Any], path: str, parent: Any) -> Issue:
             path,
             f"expected one of {_join(choices)}",
             value=value,
-            hint=_did_you_mean(str(value), choices),
+            hint=did_you_mean_choice(str(value), choices),
         )
     if kind in _EXPECTED:
         return Issue(
@@ -266,7 +266,9 @@ def unknown_key(key: str, known: list[str], *, prefix: str, value: Any = None) -
     aliases = {alias: target for alias, target in _SYNONYMS.items() if target in known}
     close = difflib.get_close_matches(key.lower(), [*known, *aliases], n=1, cutoff=0.6)
     hint = (
-        f"did you mean {aliases.get(close[0], close[0])!r}?" if close else _did_you_mean(key, known)
+        f"did you mean {aliases.get(close[0], close[0])!r}?"
+        if close
+        else did_you_mean_choice(key, known)
     )
     if hint is None and known:
         hint = f"known keys in {where}: {', '.join(known)}"
@@ -307,7 +309,8 @@ _CHOICE_SYNONYMS = {
 }
 
 
-def _did_you_mean(word: str, choices: list[str]) -> str | None:
+def did_you_mean_choice(word: str, choices: list[str]) -> str | None:
+    """'did you mean X?' for a word that is none of `choices`: a synonym first, then spelling."""
     synonym = _CHOICE_SYNONYMS.get(word.strip().lower())
     if synonym in choices:
         return f"did you mean {synonym!r}?"

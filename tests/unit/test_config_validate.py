@@ -450,7 +450,7 @@ def test_choice_synonyms_point_only_at_real_choices():
     from rollout.config.algorithm import OFFLINE_KINDS, ONLINE_KINDS
     from rollout.config.cluster import ClusterSection
     from rollout.config.generation import GenerationSection
-    from rollout.config.logging import LoggingSection
+    from rollout.config.logging import BUILTIN_TRACKERS, LoggingSection
     from rollout.config.model import ModelSection
     from rollout.config.storage import StorageSection
     from rollout.config.translate import _CHOICE_SYNONYMS
@@ -459,6 +459,7 @@ def test_choice_synonyms_point_only_at_real_choices():
     for model in (ClusterSection, GenerationSection, LoggingSection, ModelSection, StorageSection):
         for info in model.model_fields.values():
             choices |= {str(arg) for arg in _literal_args(info.annotation)}
+    choices |= set(BUILTIN_TRACKERS)  # a list of names or plugin references, not a Literal
     assert set(_CHOICE_SYNONYMS.values()) <= choices
 
 
