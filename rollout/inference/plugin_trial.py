@@ -15,6 +15,7 @@ object:
                      (the other fields are the dataset fields the plugin is given)
     environment      {"row": {<dataset row>}, "actions": ["the model's 1st answer", "2nd", ...]}
     tool             {<the call's arguments>}
+    tracker          {"step": 1, "name": "reward/mean", "value": 0.5}  (one metric row)
 """
 
 from __future__ import annotations
@@ -531,6 +532,79 @@ def _scorer(job: _Job) -> Trial:
 
 
 # ---------------------------------------------------------------------------------------------
+# tracker: built as the recording worker builds it, given the sample's rows in one batch, closed
+
+_TRACKER_FORMAT = 'each item is {"step": 1, "name": "reward/mean", "value": 0.5}'
+
+
+def _tracker(job: _Job) -> Trial:
+    from rollout.harness.deadline import Overran, Raised
+    from rollout.storage.base import MetricRecord
+
+    ref, sample, timeout_s = job.ref, job.sample, job.timeout_s
+    if job.options:
+        raise RolloutError(Issue("--options", "a tracker takes no options", value=job.options))
+    if ref in job.kind.load_builtins():
+        raise RolloutError(
+            Issue(
+                "REF",
+                f"{ref!r} is a built-in tracker, built from a run's plan",
+                value=ref,
+                hint="try it with a short `rollout run` (examples/ has CPU-sized configs)",
+            )
+        )
+    rows = []
+    for index, item in enumerate(sample.items):
+        step, name, value = item.get("step"), item.get("name"), item.get("value")
+        numbers = isinstance(step, int) and isinstance(value, int | float)
+        if not numbers or isinstance(step, bool) or isinstance(value, bool) or not name:
+            raise _sample_error(
+                sample.where(index), "is not a metric row", f"{_TRACKER_FORMAT} ({_TRACKER_HINT})"
+            )
+        rows.append(MetricRecord("plugins-test", step, str(name), float(value), time.time()))
+    resolved = _resolve(ref, job.kind, job.base_dir)
+
+    def timed(label: str, fn: Callable[[], Any]) -> tuple[Any, float]:
+        try:
+            return _timed(fn, timeout_s, f"tracker-{ref}")
+        except Overran:
+            raise RolloutError(
+                Issue(f"tracker {ref!r}", f"{label} did not return within {timeout_s:g} s")
+            ) from None
+        except Raised as raised:
+            error = raised.error
+            message = f"{label} raised {type(error).__name__}: {error}"
+            raise RolloutError(Issue(f"tracker {ref!r}", message)) from None
+
+    with tempfile.TemporaryDirectory(prefix="rollout-tracker-") as run_dir:
+        made = "factory(run_id, run_dir)"
+        tracker, make_s = timed(made, lambda: resolved.fn(run_id="plugins-test", run_dir=run_dir))
+        missing = [n for n in ("log", "close") if not callable(getattr(tracker, n, None))]
+        if missing:
+            raise RolloutError(
+                Issue(
+                    f"tracker {ref!r}",
+                    f"returned a {type(tracker).__name__}, which has no "
+                    f"{' or '.join(f'{n}()' for n in missing)}",
+                    hint="a tracker plugin returns an object with log(rows) and close()",
+                )
+            )
+        _, log_s = timed(f"log({len(rows)} rows)", lambda: tracker.log(rows))
+        _, close_s = timed("close()", tracker.close)
+        root = Path(run_dir)
+        written = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    calls = [
+        Call("build", 0, make_s, type(tracker).__name__),
+        Call(f"log {len(rows)} rows", len(rows), log_s, None),
+        Call("close", 0, close_s, {"files written in run_dir": written}),
+    ]
+    return Trial("tracker", ref, _identity(resolved), calls)
+
+
+_TRACKER_HINT = "an integer step, a metric name and a number"
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def _failed(
@@ -549,4 +623,10 @@ def _identity(resolved: ResolvedPlugin) -> dict[str, Any]:
     return resolved.identity.model_dump(mode="json")
 
 
-_TRIALS = {"reward": _reward, "environment": _environment, "tool": _tool, "scorer": _scorer}
+_TRIALS = {
+    "reward": _reward,
+    "environment": _environment,
+    "tool": _tool,
+    "scorer": _scorer,
+    "tracker": _tracker,
+}

@@ -118,8 +118,6 @@ KINDS: dict[str, PluginKind] = {
             ("rollout.runtime.trackers:HOST_TRACKERS", "rollout.runtime.trackers:TRACKERS"),
             "rollout.runtime.trackers:Tracker",
             "[logging] trackers",
-            untestable="a tracker records a run's metrics: try it with a short `rollout run` "
-            "(examples/ has CPU-sized configs)",
         ),
     )
 }

@@ -180,6 +180,58 @@ _TEMPLATES = {
             {"prompt": "Capital of Italy?", "answer": "Rome", "completion": "Milan"},
         ],
     ),
+    "tracker": _Template(
+        "{name}",
+        '''
+        """{name}: a metric tracker plugin (group rollout.trackers). rollout calls
+        {name}(run_id=..., run_dir=...) once, on the recording worker's first rows, then log(rows)
+        with each batch of metric rows (each has .step, .name, .value and .time) and close()."""
+
+        import json
+        import os
+
+
+        class {camel}:
+            """Appends every row to <run_dir>/{name}.jsonl as one JSON object a line."""
+
+            def __init__(self, run_id: str, run_dir: str):
+                self.run_id = run_id
+                self.path = os.path.join(run_dir, "{name}.jsonl")
+
+            def log(self, rows) -> None:
+                with open(self.path, "a", encoding="utf-8") as file:
+                    for row in rows:
+                        line = {{"step": row.step, "name": row.name, "value": row.value}}
+                        file.write(json.dumps(line) + "\\n")
+
+            def close(self) -> None:
+                pass
+
+
+        def {name}(run_id: str, run_dir: str) -> {camel}:
+            return {camel}(run_id, run_dir)
+        ''',
+        """
+        import json
+        from types import SimpleNamespace
+
+        from {name} import {name}
+
+
+        def test_every_row_is_written(tmp_path):
+            tracker = {name}(run_id="r1", run_dir=str(tmp_path))
+            tracker.log([SimpleNamespace(step=1, name="reward/mean", value=0.5, time=0.0)])
+            tracker.close()
+            lines = (tmp_path / "{name}.jsonl").read_text().splitlines()
+            assert [json.loads(line) for line in lines] == [
+                {{"step": 1, "name": "reward/mean", "value": 0.5}}
+            ]
+        """,
+        [
+            {"step": 1, "name": "reward/mean", "value": 0.25},
+            {"step": 2, "name": "reward/mean", "value": 0.5},
+        ],
+    ),
 }
 
 SCAFFOLD_KINDS = tuple(_TEMPLATES)

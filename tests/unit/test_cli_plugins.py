@@ -369,19 +369,80 @@ def test_scorers_builtin_and_plugin(tmp_path):
     assert "rows.jsonl:1" in output and "not a score in [0, 1]" in output
 
 
-@pytest.mark.parametrize(("kind", "why"), [("engine", "model"), ("tracker", "run")])
-def test_engines_and_trackers_are_refused_with_the_reason(tmp_path, kind, why):
+def test_engines_are_refused_with_the_reason(tmp_path):
     sample = jsonl(tmp_path / "s.jsonl", ROWS)
-    code, output = plugins("test", "hf", "--kind", kind, "--sample", sample)
+    code, output = plugins("test", "hf", "--kind", "engine", "--sample", sample)
     assert code == 2
-    assert f"{kind} plugins cannot be tried on a sample" in output and why in output
+    assert "engine plugins cannot be tried on a sample" in output and "model" in output
+
+
+TRACKERS = """
+import os
+
+
+class Rows:
+    def __init__(self, run_dir):
+        self.path = os.path.join(run_dir, "rows.txt")
+
+    def log(self, rows):
+        with open(self.path, "a") as file:
+            file.write("".join(f"{r.step} {r.name} {r.value}\\n" for r in rows))
+
+    def close(self):
+        self.closed = True
+
+
+def make(run_id, run_dir):
+    return Rows(run_dir)
+
+
+def nothing(run_id, run_dir):
+    return 42
+
+
+def boom(run_id, run_dir):
+    raise ConnectionError("no route to the dashboard")
+"""
+
+METRIC_ROWS = [
+    {"step": 1, "name": "reward/mean", "value": 0.25},
+    {"step": 2, "name": "x", "value": 1},
+]
+
+
+def test_a_tracker_plugin_is_built_fed_the_rows_and_closed(tmp_path):
+    write(tmp_path / "trackers.py", TRACKERS)
+    sample = jsonl(tmp_path / "rows.jsonl", METRIC_ROWS)
+    report = trial("./trackers.py:make", "--kind", "tracker", "--sample", sample,
+                   "--config-dir", tmp_path)  # fmt: skip
+    build, log, close = report["calls"]
+    assert build["result"] == "Rows" and log["items"] == 2
+    assert close["result"] == {"files written in run_dir": ["rows.txt"]}
+
+
+@pytest.mark.parametrize(
+    ("ref", "rows", "expected"),
+    [
+        ("./trackers.py:nothing", METRIC_ROWS, "returned a int, which has no log() or close()"),
+        ("./trackers.py:boom", METRIC_ROWS, "ConnectionError: no route to the dashboard"),
+        ("./trackers.py:make", [{"step": 1.5, "name": "a", "value": 1}], "rows.jsonl:1"),
+        ("jsonl", METRIC_ROWS, "is a built-in tracker"),
+    ],
+)
+def test_a_failing_tracker_or_row_is_one_error(tmp_path, ref, rows, expected):
+    write(tmp_path / "trackers.py", TRACKERS)
+    sample = jsonl(tmp_path / "rows.jsonl", rows)
+    code, output = plugins("test", ref, "--kind", "tracker", "--sample", sample,
+                           "--config-dir", tmp_path)  # fmt: skip
+    assert code == 2 and expected in output, output
+    assert "Traceback" not in output
 
 
 # ---------------------------------------------------------------------------------------------
 # new
 
 
-@pytest.mark.parametrize("kind", ["reward", "environment", "tool", "scorer"])
+@pytest.mark.parametrize("kind", ["reward", "environment", "tool", "scorer", "tracker"])
 def test_new_scaffolds_a_package_whose_test_passes_and_whose_entry_point_is_found(tmp_path, kind):
     target = tmp_path / "pkg"
     code, output = plugins("new", kind, "acme_thing", "--dir", target)
