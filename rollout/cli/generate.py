@@ -21,11 +21,6 @@ from rollout.files import is_url
 EXIT_INTERRUPTED = 130
 
 
-class Engine(str, Enum):
-    hf = "hf"
-    vllm = "vllm"
-
-
 class Device(str, Enum):
     auto = "auto"
     cpu = "cpu"
@@ -106,7 +101,15 @@ def generate(
             "vllm 256.",
         ),
     ] = None,
-    engine: Annotated[Engine | None, typer.Option(help="Generation backend.")] = None,
+    engine: Annotated[
+        str | None,
+        typer.Option(
+            metavar="REF",
+            help="Generation backend: hf, vllm, or an engine plugin ('./engine.py:make' from the "
+            "current directory, 'package.module:make', or a 'rollout.engines' entry point). "
+            "Default: the config's generation.engine, else hf.",
+        ),
+    ] = None,
     seed: Annotated[
         int | None, typer.Option(help="Sampling seed (default: the config's, else 0).")
     ] = None,
@@ -152,7 +155,7 @@ def generate(
         max_new_tokens=max_new_tokens,
         stop=tuple(stop) if stop else None,
         batch_size=batch_size,
-        engine=engine.value if engine else None,
+        engine=engine,
         seed=seed,
         logprobs=logprobs,
         carry=() if no_carry else (tuple(carry) if carry else None),

@@ -71,7 +71,7 @@ def test_command(
             "./file.py:attr (relative to --config-dir).",
         ),
     ],
-    kind: Annotated[str, typer.Option(metavar="KIND", help="reward, environment, tool or scorer.")],
+    kind: Annotated[str, typer.Option(metavar="KIND", help=f"{', '.join(KINDS)}.")],
     sample: Annotated[
         str,
         typer.Option(
@@ -100,10 +100,20 @@ def test_command(
     timeout_s: Annotated[
         float, typer.Option("--timeout-s", min=0.001, help="Limit of each call, in seconds.")
     ] = 30.0,
-    seed: Annotated[int, typer.Option(help="The seed an environment's reset is given.")] = 0,
+    seed: Annotated[
+        int, typer.Option(help="The seed an environment's reset (or an engine) is given.")
+    ] = 0,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            metavar="MODEL",
+            help="--kind engine: the model it generates with (builtin:NAME, a Hugging Face "
+            "directory or a .gguf file). Default: builtin:tiny-llama.",
+        ),
+    ] = None,
     fmt: FormatOption = Format.text,
 ) -> None:
-    """Run a plugin on sample input here: no GPU, no model, no training.
+    """Run a plugin on sample input here: no GPU, no training (no model but an engine's).
 
     REF is resolved as a plan resolves it and called as a run calls it; what it returned and how
     long each call took are printed. Exit 2 when it fails to import, raises, hangs past
@@ -118,6 +128,7 @@ def test_command(
             options=_options(options),
             timeout_s=timeout_s,
             seed=seed,
+            model=model,
         )
     if fmt is Format.json:
         stdout.print_json(json.dumps(trial.to_dict(), default=str))
@@ -152,6 +163,52 @@ def new_command(
         f"{scaffold.target} --kind {kind} --sample sample.jsonl "
         f"(or `pip install -e .`, then test it as {name!r})"
     )
+
+
+@plugins.command("reload")
+def reload_command(
+    url: Annotated[
+        str,
+        typer.Option(
+            metavar="URL",
+            help="The `rollout serve --dev` server (its address, with or without /v1).",
+        ),
+    ] = "http://127.0.0.1:8000",
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            metavar="REF",
+            help="The server's API key as a reference, env:NAME or file:/path (as serve takes it).",
+        ),
+    ] = None,
+    fmt: FormatOption = Format.text,
+) -> None:
+    """Re-import a development server's engine plugin and swap its engine between requests.
+
+    Only a server started with `rollout serve --dev` reloads; requests in flight finish on the
+    old engine, the next ones use the new code. A training run never reloads: its plugins are
+    frozen by plan.lock (edit, then plan again). Exit 2 when the server refuses or the new code
+    does not load (the old engine then still serves).
+    """
+    from rollout.inference.plugins import reload_server
+
+    with user_errors(fmt.value):
+        answer = reload_server(url, api_key)
+    if fmt is Format.json:
+        stdout.print_json(json.dumps(answer))
+        return
+    old, new = answer["old"], answer["new"]
+    stdout.print(f"[green]✓[/] reloaded {escape(answer['engine'])}")
+    stdout.print(f"  old: {escape(_identity_text(old))}")
+    stdout.print(f"  new: {escape(_identity_text(new))}")
+
+
+def _identity_text(identity: dict[str, Any]) -> str:
+    where = identity.get("path") or identity.get("module") or identity.get("ref")
+    if identity.get("sha256"):
+        return f"{where} sha256 {identity['sha256'][:12]}"
+    return f"{where} {identity.get('distribution') or ''} {identity.get('version') or ''}".strip()
 
 
 def _options(text: str | None) -> dict[str, Any]:

@@ -89,6 +89,23 @@ def serve(
     seed: Annotated[
         int | None, typer.Option("--seed", help="Seed of the sampling stream (unseeded requests).")
     ] = None,
+    engine: Annotated[
+        str,
+        typer.Option(
+            "--engine",
+            metavar="REF",
+            help="hf, or an engine plugin: './engine.py:make' (relative to the current "
+            "directory), 'package.module:make' or a 'rollout.engines' entry point.",
+        ),
+    ] = "hf",
+    dev: Annotated[
+        bool,
+        typer.Option(
+            "--dev",
+            help="Development server: `rollout plugins reload` re-imports the engine plugin's "
+            "code and swaps the engine between requests.",
+        ),
+    ] = False,
     otlp_endpoint: Annotated[
         str | None,
         typer.Option(
@@ -126,12 +143,16 @@ def serve(
             dtype=dtype,
             seed=seed,
             max_batch_size=max_batch_size,
+            engine=engine,
+            dev=dev,
         )
     with user_errors():
         server = _bind(host, port, served, key, tls)
     # The name may come from a --model URL: printed only through redact_text, like every Issue.
     shown = redact_text(repr(source.name))
-    stdout.print(f"serving {escape(shown)} at {server.url} (Ctrl-C or SIGTERM stops)")
+    on = "" if engine == "hf" else f" with engine {escape(repr(engine))}"
+    dev_note = ", --dev: `rollout plugins reload` reloads the engine" if dev else ""
+    stdout.print(f"serving {escape(shown)}{on} at {server.url} (Ctrl-C or SIGTERM stops{dev_note})")
     with tracing.exporting(otlp_endpoint, "rollout-serve"):
         _serve_until_signalled(server)
     stdout.print("stopped")

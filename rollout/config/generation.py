@@ -4,16 +4,49 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from rollout.config.base import ConfigModel
+from rollout.config.rewards import check_plugin_ref
+
+BUILTIN_ENGINES: tuple[str, ...] = ("hf", "vllm")
+
+
+def check_engine(value: str) -> str:
+    """A built-in engine's name, or an engine plugin's reference (resolved at plan). A bare name
+    close to a built-in's is taken for a typo of it, not for an entry point's name."""
+    if value in BUILTIN_ENGINES:
+        return value
+    check_plugin_ref(value)
+    if ":" not in value:
+        from rollout.config.translate import did_you_mean_choice
+
+        if (hint := did_you_mean_choice(value, list(BUILTIN_ENGINES))) is not None:
+            raise ValueError(f"no engine {value!r}; {hint}")
+    return value
+
+
+def is_plugin_engine(engine: str) -> bool:
+    """A plugin reference rather than a built-in engine's name."""
+    return engine not in BUILTIN_ENGINES
+
+
+EngineRef = Annotated[
+    str,
+    AfterValidator(check_engine),
+    Field(examples=[*BUILTIN_ENGINES, "my_pkg.engines:make", "./engine.py:make"]),
+]
 
 
 class GenerationSection(ConfigModel):
-    engine: Literal["hf", "vllm"] = Field(
+    engine: EngineRef = Field(
         default="hf",
-        description="Generation backend: 'hf' (embedded, runs anywhere) or 'vllm' (GPU only; "
-        "install rollout[vllm]).",
+        description="Generation backend: 'hf' (embedded, runs anywhere), 'vllm' (GPU only; "
+        "install rollout[vllm]), or an engine plugin: 'package.module:make', './file.py:make' "
+        "(relative to the config) or an entry point in the 'rollout.engines' group, called as "
+        "make(spec) for an object with the Engine methods (generate, load_weights, "
+        "policy_version, stats, close). A plugin engine gets the hf engine's defaults; "
+        "vllm-only keys are refused with it. See docs/plugins.md.",
     )
     max_new_tokens: int = Field(
         default=256, ge=1, description="Most tokens generated per completion."

@@ -495,7 +495,7 @@ def eval_suites_fit_the_run(config: RunConfig) -> Iterator[Issue]:
                 hint="give every suite its own name",
             )
         seen.setdefault(suite.name, index)
-        if suite.scorer == "mmlu_loglik" and config.generation.engine != "hf":
+        if suite.scorer == "mmlu_loglik" and config.generation.engine == "vllm":
             yield Issue(
                 f"eval.suites[{index}].scorer",
                 f"mmlu_loglik reads log-probs from the model itself, which the "

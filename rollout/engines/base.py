@@ -1,4 +1,4 @@
-"""The generation Protocol every engine implements (hf, vllm), the types it speaks, and the
+"""The generation Protocol every engine implements (hf, vllm, engine plugins), the types it speaks, and the
 rule both engines cut a completion at a stop string by (cut_at_stop).
 
 Batch-first: an engine takes many prompts (as token ids) and returns one result per completion.
@@ -23,6 +23,11 @@ DEFAULT_BATCH_SIZE = {"hf": 32, "vllm": 256}
 """Completions decoded at once when neither a flag nor generation.max_batch_size says (rollout
 generate, rollout eval, eval suites in training). 32 is where the hf engine's tokens/s on a CPU
 stops growing much (benchmarks/README.md)."""
+
+
+def default_batch_size(engine: str) -> int:
+    """DEFAULT_BATCH_SIZE of a built-in engine; an engine plugin gets the hf engine's."""
+    return DEFAULT_BATCH_SIZE.get(engine, DEFAULT_BATCH_SIZE["hf"])
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,26 @@
-"""The one place a generation engine is constructed, by name, from explicit arguments.
+"""The one place a generation engine is constructed, by name or plugin, from explicit arguments.
 
-The trainer, `rollout generate` and `rollout serve` each call build_engine; what differs between
-them (the seed, the batch size, whether packed weights are kept, where vLLM's model directory
-comes from) is in the arguments they pass. An engine's module is imported only when it is chosen,
-so importing this one costs neither torch nor vllm.
+The trainer, `rollout generate`, `rollout eval` and `rollout serve` each call build_engine; what
+differs between them (the seed, the batch size, whether packed weights are kept, where vLLM's
+model directory comes from) is in the arguments they pass. An engine's module is imported only
+when it is chosen, so importing this one costs neither torch nor vllm. An engine plugin (any
+other `kind`: its reference) is built by its factory from an EngineSpec of the same arguments,
+and what it returns is checked against the Engine Protocol (rollout.engines.plugin).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollout.engines.base import Engine
 
+if TYPE_CHECKING:
+    from rollout.engines.plugin import EnginePlugin
+
 ENGINES = ("hf", "vllm")
+"""The built-in engines (rollout.config.generation.BUILTIN_ENGINES names the same)."""
 
 
 def build_engine(
@@ -35,8 +41,11 @@ def build_engine(
     max_model_len: int | None = None,
     cuda_graphs: bool | None = None,
     max_context: int | None = None,
+    plugin: EnginePlugin | None = None,
 ) -> Engine:
-    """The engine `kind` ("hf" or "vllm") over a loaded model and its tokenizer.
+    """The engine `kind` ("hf", "vllm", or an engine plugin's reference) over a loaded model and
+    its tokenizer. For a plugin, `plugin` holds its factory, loaded by the caller from what the
+    reference resolved to: it is called with an EngineSpec of these arguments.
 
     hf samples with `model` itself, in place (it may be the learner's module), on `device`;
     `keep_packed` keeps its packed weights between calls (see HfEngine). vllm loads a copy of its
@@ -80,4 +89,22 @@ def build_engine(
             max_num_seqs=max_batch_size,
             enforce_eager=cuda_graphs is False,
         )
-    raise ValueError(f"unknown engine {kind!r}: one of {', '.join(ENGINES)}")
+    if plugin is None:
+        raise ValueError(f"engine {kind!r} is no built-in ({', '.join(ENGINES)}): pass plugin")
+    from rollout.engines.plugin import EngineSpec, checked_engine
+
+    spec = EngineSpec(
+        model=model,
+        tokenizer=tokenizer,
+        eos_token_ids=tuple(eos_token_ids),
+        pad_token_id=pad_token_id,
+        device=device,
+        max_batch_size=max_batch_size,
+        seed=seed,
+        model_dir=Path(model_dir) if model_dir is not None else None,
+        dtype=dtype,
+        max_context=max_context,
+        cuda_graphs=cuda_graphs,
+        keep_packed=keep_packed,
+    )
+    return checked_engine(plugin.factory(spec), plugin)

@@ -34,7 +34,7 @@ from pydantic import ValidationError
 from rollout.config.generation import GenerationSection
 from rollout.config.secrets import check_no_inline_credentials
 from rollout.config.validate import translate_errors
-from rollout.engines.base import DEFAULT_BATCH_SIZE
+from rollout.engines.base import default_batch_size
 from rollout.errors import ConfigError, Issue, RolloutError
 from rollout.files import is_url
 from rollout.inference import remote_output
@@ -153,6 +153,8 @@ class _Job:
     batch_size: int
     device: str
     dtype: str
+    engine_plugin: Any = None
+    """An engine plugin's resolved factory and identity (None for hf, vllm)."""
     prompt_ids: list[list[int]] = field(default_factory=list)
 
     @property
@@ -184,7 +186,7 @@ class _Job:
             "batch_size": self.batch_size,
             "dtype": self.dtype,
             "device": self.device,
-        }
+        } | _plugin_setting(self.engine_plugin)
 
     def fingerprint(self) -> str:
         canonical = json.dumps(self.settings(), sort_keys=True, separators=(",", ":"))
@@ -231,6 +233,7 @@ def generate(options: GenerateOptions, hooks: Hooks | None = None) -> GenerateRe
         batch_size=job.batch_size,
         seed=job.seed,
         dtype=job.dtype,
+        plugin=job.engine_plugin,
     )
     hooks.on_start(
         JobInfo(
@@ -295,9 +298,14 @@ def prepare(options: GenerateOptions) -> _Job:
         use_chat_template=use_chat_template(options.chat_template, choice),
         system_prompt=system_prompt if system_prompt is not None else choice.system_prompt,
         seed=options.seed if options.seed is not None else (choice.seed or 0),
-        batch_size=generation.max_batch_size or DEFAULT_BATCH_SIZE[generation.engine],
+        batch_size=generation.max_batch_size or default_batch_size(generation.engine),
         device=device,
         dtype=choose_dtype(choice, device),
+        engine_plugin=resolve_engine_choice(
+            generation,
+            from_flag=options.engine is not None,
+            config=options.config,
+        ),
     )
 
 
@@ -579,6 +587,31 @@ def _encode_all(job: _Job, loaded: Any) -> list[list[int]]:
 # --- engines -------------------------------------------------------------------------------------
 
 
+def resolve_engine_choice(
+    generation: GenerationSection, *, from_flag: bool, config: Path | None
+) -> Any:
+    """The engine plugin [generation] engine (or --engine) names, resolved and its factory
+    checked before any weights load: a ResolvedPlugin, None for a built-in engine. A reference
+    from --engine starts at the current directory, one from a config at the config's."""
+    from rollout.config.generation import is_plugin_engine
+    from rollout.planner.engine import resolve_engine_ref
+
+    if not is_plugin_engine(generation.engine):
+        return None
+    base = Path.cwd() if from_flag or config is None else config.resolve().parent
+    used_by = "--engine" if from_flag else "generation.engine"
+    return resolve_engine_ref(generation.engine, base_dir=base, used_by=used_by)
+
+
+def _plugin_setting(resolved: Any) -> dict[str, Any]:
+    """What identifies an engine plugin's code in a job's settings (a resumed job with other
+    plugin code is a different job); nothing for a built-in engine."""
+    if resolved is None:
+        return {}
+    identity = resolved.identity
+    return {"engine_plugin": identity.sha256 or f"{identity.distribution} {identity.version}"}
+
+
 def build_generation_engine(
     choice: ModelChoice,
     generation: GenerationSection,
@@ -588,10 +621,12 @@ def build_generation_engine(
     batch_size: int,
     seed: int,
     dtype: str,
+    plugin: Any = None,
 ) -> Any:
     """The engine [generation] names over the loaded model, for a job whose weights never
-    change (generate, eval)."""
+    change (generate, eval); `plugin`: resolve_engine_choice's, for an engine plugin."""
     from rollout.engines.build import build_engine
+    from rollout.engines.plugin import EnginePlugin
 
     name = generation.engine
     if name == "vllm" and importlib.util.find_spec("vllm") is None:
@@ -623,6 +658,9 @@ def build_generation_engine(
         gpu_memory_utilization=generation.gpu_memory_utilization,
         cuda_graphs=None if generation.cuda_graphs == "auto" else generation.cuda_graphs,
         max_model_len=choice.facts.context_length,
+        plugin=EnginePlugin(plugin.identity.ref, plugin.identity.used_by, plugin.fn)
+        if plugin is not None
+        else None,
     )
 
 

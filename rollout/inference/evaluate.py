@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout.config.generation import GenerationSection
-from rollout.engines.base import DEFAULT_BATCH_SIZE, SamplingParams
+from rollout.engines.base import SamplingParams, default_batch_size
 from rollout.errors import Issue, RolloutError
 from rollout.harness.eval.results import SuiteResult, suite_result
 from rollout.harness.eval.suites import CheckedSuite, Sampling, encode_suites, run_suite
@@ -30,6 +30,7 @@ from rollout.inference.batch import (
     choose_dtype,
     generation_device,
     load_chosen_model,
+    resolve_engine_choice,
     use_chat_template,
 )
 from rollout.inference.eval_report import (
@@ -106,6 +107,8 @@ class _Job:
     """Prompts go through the model's chat template."""
     step: int | None
     """With --run: the checkpoint's step, to record the scores at."""
+    engine_plugin: Any = None
+    """An engine plugin's resolved factory and identity (None for hf, vllm)."""
 
 
 def evaluate(options: EvalOptions, hooks: Hooks | None = None) -> EvalResult:
@@ -135,6 +138,7 @@ def evaluate(options: EvalOptions, hooks: Hooks | None = None) -> EvalResult:
             batch_size=job.batch_size,
             seed=job.seed,
             dtype=job.dtype,
+            plugin=job.engine_plugin,
         )
     sampling = Sampling(
         engine,
@@ -220,7 +224,8 @@ def prepare(options: EvalOptions) -> _Job:
         device=device,
         dtype=choose_dtype(choice, device),
         batch_size=first(options.batch_size, generation.max_batch_size)
-        or DEFAULT_BATCH_SIZE[generation.engine],
+        or default_batch_size(generation.engine),
         templated=use_chat_template(options.chat_template, choice),
         step=step,
+        engine_plugin=resolve_engine_choice(generation, from_flag=False, config=options.config),
     )

@@ -1,6 +1,6 @@
 """`rollout plugins test`: one plugin, resolved as a plan resolves it, run on sample input here.
 
-No GPU, no model, no training: the plugin is imported (first in a child process, as planning
+No GPU, no training (and no model but for an engine): the plugin is imported (first in a child process, as planning
 does: rollout.plugins.probe), then called the way a run calls it, by the same runners (reward:
 harness.reward_runner; environment: harness.environments.runner; tool: its Tool, arguments checked
 against its schema; scorer: the eval harness's Scorer), each call under a deadline
@@ -16,6 +16,11 @@ object:
     environment      {"row": {<dataset row>}, "actions": ["the model's 1st answer", "2nd", ...]}
     tool             {<the call's arguments>}
     tracker          {"step": 1, "name": "reward/mean", "value": 0.5}  (one metric row)
+    engine           {"prompt": "...", "max_new_tokens": 16, "n": 1, "temperature": 0.0}
+                     (all but the prompt optional; shown are the defaults)
+
+An engine plugin is the one kind tried with a model: built on --model (default the builtin tiny
+model, on the CPU) as build_engine builds it for `rollout generate`, then asked for each item.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from rollout.plugins.registry import KINDS, SCORER_GROUP, PluginKind
 from rollout.plugins.resolve import ResolvedPlugin, import_probe, resolve_plugin
 
 SAMPLE_LIMIT = 16 * 2**20
+DEFAULT_ENGINE_MODEL = "builtin:tiny-llama"
 DEFAULT_TIMEOUT_S = 30.0
 """As [[rewards]] timeout_s: each call's limit unless --timeout-s says otherwise."""
 
@@ -87,10 +93,18 @@ def try_plugin(
     options: Mapping[str, Any] | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     seed: int = 0,
+    model: str | None = None,
 ) -> Trial:
     """Resolve ``ref`` as a plugin of ``kind`` (relative files from ``base_dir``) and run it on the
-    items of ``sample_path``; ``options`` as the config's options for it."""
+    items of ``sample_path``; ``options`` as the config's options for it. ``model``: what an
+    engine plugin generates with (engines only; default DEFAULT_ENGINE_MODEL)."""
     plugin_kind = _kind(kind)
+    if model is not None and kind != "engine":
+        raise RolloutError(
+            Issue(
+                "--model", f"only an engine plugin is tried on a model, not a {kind}", value=model
+            )
+        )
     if plugin_kind.untestable is not None:
         raise RolloutError(
             Issue(
@@ -101,7 +115,14 @@ def try_plugin(
             )
         )
     job = _Job(
-        ref, plugin_kind, read_sample(sample_path), base_dir, dict(options or {}), timeout_s, seed
+        ref,
+        plugin_kind,
+        read_sample(sample_path),
+        base_dir,
+        dict(options or {}),
+        timeout_s,
+        seed,
+        model or DEFAULT_ENGINE_MODEL,
     )
     return _TRIALS[kind](job)
 
@@ -115,6 +136,7 @@ class _Job:
     options: dict[str, Any]
     timeout_s: float
     seed: int
+    model: str = ""
 
 
 def _kind(kind: str) -> PluginKind:
@@ -605,6 +627,154 @@ _TRACKER_HINT = "an integer step, a metric name and a number"
 
 
 # ---------------------------------------------------------------------------------------------
+# engine: built on a model as `rollout generate` builds it, asked for each item's completions
+
+_ENGINE_FORMAT = (
+    'each item is {"prompt": "...", "max_new_tokens": 16, "n": 1, "temperature": 0.0} '
+    "(all but the prompt optional)"
+)
+
+
+def _engine(job: _Job) -> Trial:
+    from rollout.engines.build import build_engine
+    from rollout.engines.plugin import EnginePlugin
+    from rollout.inference.batch import choose_dtype, load_chosen_model
+    from rollout.inference.model_choice import choose_model
+    from rollout.planner.engine import resolve_engine_ref
+
+    ref, sample = job.ref, job.sample
+    if job.options:
+        raise RolloutError(Issue("--options", "an engine takes no options", value=job.options))
+    if ref in job.kind.load_builtins():
+        raise RolloutError(
+            Issue(
+                "REF",
+                f"{ref!r} is a built-in engine",
+                value=ref,
+                hint=f"try it with `rollout generate --engine {ref}`",
+            )
+        )
+    asks = [_engine_ask(sample, index, item) for index, item in enumerate(sample.items)]
+    used_by = _used_by(job.kind)
+    _probe(
+        import_probe(
+            ref,
+            base_dir=job.base_dir,
+            used_by=used_by,
+            group=job.kind.group,
+            builtins=job.kind.load_builtins(),
+        )
+    )
+    resolved = resolve_engine_ref(ref, base_dir=job.base_dir, used_by=used_by)
+    choice = choose_model(config=None, model=job.model)
+    dtype = choose_dtype(choice, "cpu")
+    start = time.perf_counter()
+    loaded = load_chosen_model(choice, dtype, "cpu")
+    load_s = time.perf_counter() - start
+    start = time.perf_counter()
+    engine = build_engine(
+        ref,
+        model=loaded.model,
+        tokenizer=loaded.tokenizer,
+        eos_token_ids=loaded.eos_token_ids,
+        pad_token_id=loaded.pad_token_id,
+        device="cpu",
+        max_batch_size=None,
+        seed=job.seed,
+        keep_packed=True,
+        dtype=dtype,
+        plugin=EnginePlugin(ref, used_by, resolved.fn),
+    )
+    calls = [
+        Call(f"load {choice.description}", 0, load_s, dtype),
+        Call("build", 0, time.perf_counter() - start, type(engine).__name__),
+    ]
+    try:
+        for index, (text, params) in enumerate(asks):
+            prompt_ids = list(loaded.tokenizer.encode(text, add_special_tokens=True))
+            start = time.perf_counter()
+            completions = engine.generate([prompt_ids], params)
+            seconds = time.perf_counter() - start
+            _check_completions(completions, params, sample.where(index), ref)
+            shown = [
+                {"text": c.text, "tokens": len(c.token_ids), "finish_reason": c.finish_reason}
+                for c in completions
+            ]
+            tokens = sum(len(c.token_ids) for c in completions)
+            calls.append(Call(f"generate {index + 1}", tokens, seconds, shown))
+    finally:
+        with contextlib.suppress(Exception):
+            engine.close()
+    return Trial("engine", ref, _identity(resolved), calls)
+
+
+def _engine_ask(sample: Sample, index: int, item: dict[str, Any]) -> tuple[str, Any]:
+    from rollout.engines.base import SamplingParams
+
+    where = sample.where(index)
+    prompt = item.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise _sample_error(where, "needs a non-empty 'prompt' (text)", _ENGINE_FORMAT)
+    unknown = sorted(set(item) - {"prompt", "max_new_tokens", "n", "temperature"})
+    if unknown:
+        raise _sample_error(where, f"has unknown keys {unknown}", _ENGINE_FORMAT)
+    try:
+        params = SamplingParams(
+            max_new_tokens=_count(item, "max_new_tokens", 16, where),
+            n=_count(item, "n", 1, where),
+            temperature=float(item.get("temperature", 0.0)),
+            seed=0,
+        )
+    except (TypeError, ValueError):
+        raise _sample_error(where, "'temperature' is not a number", _ENGINE_FORMAT) from None
+    return prompt, params
+
+
+def _count(item: dict[str, Any], key: str, default: int, where: str) -> int:
+    value = item.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise _sample_error(where, f"{key!r} is {value!r}, not a positive integer", _ENGINE_FORMAT)
+    return value
+
+
+def _check_completions(completions: Any, params: Any, where: str, ref: str) -> None:
+    """What an engine returns, as the trainer and the server read it: a list of n Completions
+    for the one prompt, each with a log-prob per token and a known finish reason."""
+    from rollout.engines.base import Completion
+
+    def wrong(problem: str) -> RolloutError:
+        return RolloutError(
+            Issue(
+                f"engine {ref!r}",
+                f"generate for {where} returned {problem}",
+                hint="generate(prompts, params) returns a list of rollout.engines.base.Completion, "
+                "params.n per prompt, grouped by prompt, each with one log-prob per token",
+            )
+        )
+
+    if not isinstance(completions, list):
+        raise wrong(f"a {type(completions).__name__}, not a list")
+    if len(completions) != params.n:
+        raise wrong(f"{len(completions)} completions, asked for n={params.n}")
+    for number, completion in enumerate(completions):
+        if not isinstance(completion, Completion):
+            raise wrong(f"a {type(completion).__name__} at [{number}], not a Completion")
+        if completion.prompt_index != 0:
+            raise wrong(f"prompt_index {completion.prompt_index} at [{number}] for prompt 0")
+        if len(completion.logprobs) != len(completion.token_ids):
+            raise wrong(
+                f"{len(completion.token_ids)} tokens but {len(completion.logprobs)} log-probs "
+                f"at [{number}]"
+            )
+        if not all(isinstance(t, int) for t in completion.token_ids):
+            raise wrong(f"token_ids that are not all integers at [{number}]")
+        if completion.finish_reason not in ("stop", "length", "eos"):
+            raise wrong(f"finish_reason {completion.finish_reason!r} at [{number}]")
+        if not isinstance(completion.text, str):
+            raise wrong(f"text of type {type(completion.text).__name__} at [{number}]")
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def _failed(
@@ -629,4 +799,5 @@ _TRIALS = {
     "tool": _tool,
     "scorer": _scorer,
     "tracker": _tracker,
+    "engine": _engine,
 }

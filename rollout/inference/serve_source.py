@@ -1,6 +1,7 @@
 """What `rollout serve` serves: a model named by a config, a path or a checkpoint, loaded as a
 training worker loads it (rollout.models.loading.load_model), behind an EngineService
-(rollout.serve.loading.served_engine).
+(rollout.serve.loading.served_engine). `--engine` picks the engine (hf, or an engine plugin);
+`--dev` lets /admin/reload re-import a plugin's code and swap the engine between requests.
 
 Sources, exactly one:
 - a config file: its [model] section (with its tokenizer and chat template overrides) and its
@@ -80,37 +81,150 @@ def resolve_source(
 
 
 def load_served(
-    source: ServeSource, *, device: str, dtype: str, seed: int | None, max_batch_size: int | None
+    source: ServeSource,
+    *,
+    device: str,
+    dtype: str,
+    seed: int | None,
+    max_batch_size: int | None,
+    engine: str = "hf",
+    dev: bool = False,
 ) -> Any:
-    """Load the model and start an EngineService: (ServedModel, the service)."""
-    from rollout.engines.build import build_engine
+    """Load the model and start its service: a ServedModel. `engine`: "hf" or an engine plugin's
+    reference (--engine, relative to the current directory). `dev`: the engine can be reloaded
+    (re-importing the plugin's code) through the server's /admin/reload route."""
     from rollout.inference.model_choice import inspect_model_at
     from rollout.models.loading import load_model
 
+    plugin = _engine_plugin(engine)
     facts = inspect_model_at(source.section, source.base_dir, source.option)
     if dtype == "auto":
         dtype = source.section.dtype
     if dtype == "auto":
         dtype = "float32" if device == "cpu" else "bfloat16"
     loaded = load_model(facts, source.section, dtype=dtype, device=device, base_dir=source.base_dir)
-    engine = build_engine(
-        "hf",  # EngineService drives the hf engine's decode batch
+    batch = max_batch_size or source.max_batch_size
+
+    def build(resolved: Any) -> Any:
+        built = _build_served_engine(engine, resolved, loaded, device, batch, seed)
+        built.load_weights(None, version=source.policy_version)
+        return built
+
+    served = served_engine(
+        build(plugin),
+        loaded.tokenizer,
+        loaded.chat_template,
+        name=source.name,
+        defaults=source.defaults,
+        model_config=loaded.model.config,
+        max_batch_size=batch,
+        reloadable=dev,
+    )
+    if dev:
+        served.reload = _reloader(engine, plugin, served, build, loaded.tokenizer, batch)
+    return served
+
+
+ENGINE_FLAG = "--engine"
+
+
+def _engine_plugin(engine: str) -> Any:
+    """The resolved plugin --engine names (None for hf); vllm is refused: it keeps no decode
+    batch for concurrent requests."""
+    from rollout.config.generation import check_engine, is_plugin_engine
+
+    try:
+        check_engine(engine)
+    except ValueError as error:
+        raise RolloutError(Issue(ENGINE_FLAG, str(error), value=engine)) from None
+    if engine == "vllm":
+        raise RolloutError(
+            Issue(
+                ENGINE_FLAG,
+                "rollout serve drives the hf engine (or an engine plugin); vllm has a server of "
+                "its own",
+                value=engine,
+                hint="--engine hf, or run `vllm serve` for vLLM",
+            )
+        )
+    if not is_plugin_engine(engine):
+        return None
+    from rollout.planner.engine import resolve_engine_ref
+
+    return resolve_engine_ref(engine, base_dir=Path.cwd(), used_by=ENGINE_FLAG)
+
+
+def _build_served_engine(
+    engine: str, resolved: Any, loaded: Any, device: str, batch: int | None, seed: int | None
+) -> Any:
+    from rollout.engines.build import build_engine
+    from rollout.engines.plugin import EnginePlugin
+
+    plugin = None
+    if resolved is not None:
+        plugin = EnginePlugin(resolved.identity.ref, ENGINE_FLAG, resolved.fn)
+    return build_engine(
+        engine,  # hf: EngineService drives its decode batch; a plugin: whole generate calls
         model=loaded.model,
         tokenizer=loaded.tokenizer,
         eos_token_ids=loaded.eos_token_ids,
         pad_token_id=loaded.pad_token_id,
         device=device,
-        max_batch_size=max_batch_size or source.max_batch_size,
+        max_batch_size=batch,
         seed=seed,
+        keep_packed=True,  # served weights never change
+        plugin=plugin,
     )
-    engine.load_weights(None, version=source.policy_version)
-    return served_engine(
-        engine,
-        loaded.tokenizer,
-        loaded.chat_template,
-        name=source.name,
-        defaults=source.defaults,
-    )
+
+
+def _reloader(
+    engine: str, plugin: Any, served: Any, build: Any, tokenizer: Any, batch: int | None
+) -> Any:
+    """/admin/reload's work: re-import the plugin's code, build the engine anew on the same
+    model, swap it in between requests; the old and new identity. Code that fails to import (or
+    to build) leaves the old engine serving, as a RolloutError."""
+    import threading
+
+    from rollout.serve.loading import engine_service
+
+    state = {"plugin": plugin}
+    lock = threading.Lock()  # one reload at a time
+
+    def reload() -> dict[str, Any]:
+        with lock:
+            old = state["plugin"]
+            if old is None:
+                raise RolloutError(
+                    Issue(
+                        ENGINE_FLAG,
+                        f"the served engine is the built-in {engine!r}: there is no plugin code "
+                        "to reload",
+                        hint="serve an engine plugin: rollout serve --dev --engine ./engine.py:make",
+                    )
+                )
+            _forget_module(old.identity)
+            new = _engine_plugin(engine)
+            built = build(new)
+            served.service.swap(lambda: engine_service(built, tokenizer, max_batch_size=batch))
+            state["plugin"] = new
+            return {
+                "engine": engine,
+                "old": old.identity.model_dump(mode="json"),
+                "new": new.identity.model_dump(mode="json"),
+            }
+
+    return reload
+
+
+def _forget_module(identity: Any) -> None:
+    """Make the next import of a module plugin (or an entry point's module) read its source
+    again; a file plugin is executed afresh at every resolve anyway."""
+    import sys
+
+    if identity.kind in ("module", "entry_point"):
+        # Dropped rather than importlib.reload-ed: the import that follows reports a failure in
+        # the new code as every plugin import does (one issue, its file and line).
+        sys.modules.pop(identity.module, None)
 
 
 def _from_config(path: Path, name: str | None) -> ServeSource:

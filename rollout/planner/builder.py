@@ -41,6 +41,7 @@ from rollout.planner.definition import (
     Seeds,
     Versions,
 )
+from rollout.planner.engine import resolve_engine
 from rollout.planner.eval_suites import inspect_suites
 from rollout.planner.hardware import probe_hardware
 from rollout.planner.inspect_data import inspect_data
@@ -158,6 +159,7 @@ def _build(
         )
     issues.extend(tracker_issues(run_config))
     trackers = resolve_trackers(run_config, base, issues)
+    engine = resolve_engine(run_config, base, issues)
     issues.extend(store_issues(run_config))
     graph = build_graph(run_config, device) if device is not None else None
     if graph is not None:
@@ -194,6 +196,7 @@ def _build(
         tools=tools.records,
         tool_sandbox=tools.sandbox,
         trackers=trackers,
+        engine=engine,
         model=model,
         data=data,
         eval_suites=eval_suites,

@@ -316,6 +316,11 @@ class Plan(Frozen):
         description="What each tracker plugin in config.logging.trackers resolved to, in order "
         "(built-in trackers have none).",
     )
+    engine: PluginIdentity | None = Field(
+        default=None,
+        description="What config.generation.engine resolved to when it is an engine plugin "
+        "(None: a built-in engine).",
+    )
     model: ModelFacts
     data: list[DataFacts]
     eval_suites: list[SuiteFacts] = Field(
@@ -354,4 +359,5 @@ class Plan(Frozen):
         environment = [self.environment] if self.environment is not None else []
         scorers = [suite.scorer_plugin for suite in self.eval_suites if suite.scorer_plugin]
         tools = [tool.plugin for tool in self.tools]
-        return rewards + environment + tools + scorers + list(self.trackers)
+        engine = [self.engine] if self.engine is not None else []
+        return rewards + environment + tools + scorers + list(self.trackers) + engine

@@ -132,7 +132,9 @@ def generation_shape(
     if gen.max_batch_size is not None and gen.max_batch_size < batch:
         batch, reason = gen.max_batch_size, "generation.max_batch_size"
     width = BYTES_PER_PARAM[derived.dtype]
-    hf = gen.engine == "hf"
+    # An engine plugin is estimated as the hf engine it most likely wraps: the learner's model,
+    # a KV cache of the batch's width, and (when it packs) packed weights.
+    hf = gen.engine != "vllm"
     return GenerationShape(
         engine=gen.engine,
         batch=batch,
@@ -326,7 +328,7 @@ def _process_items(
         for name, size in trained.items():
             items[name] += size
         items["activations"] += _activation_bytes(config, model, derived, width)
-    if "actor" in roles and shape is not None and shape.engine == "hf":
+    if "actor" in roles and shape is not None and shape.engine != "vllm":  # hf or a plugin
         if not trains:  # a colocated hf actor generates with the learner's own weights
             items["weights"] += params * width
         items["kv_cache"] += shape.kv_cache_bytes

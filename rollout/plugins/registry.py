@@ -14,10 +14,12 @@ installed package would silently stop being found:
     tool          rollout.tools          [[environment.tools]] name
     scorer        rollout.scorers        [[eval.suites]] scorer
     tracker       rollout.trackers       [logging] trackers
+    engine        rollout.engines        [generation] engine
 
-Engines ([generation] engine) are a closed choice in the config (the names it accepts are fixed),
-so they have no group: an installed package cannot add one, and listing one would promise what a
-run then refuses.
+Engines are open like the rest: besides the built-ins (hf, vllm) [generation] engine (and the
+--engine of generate, eval and serve) takes an engine plugin, a factory make(spec) -> Engine
+(rollout.engines.plugin). A kind may point at a `factory_check`, which finds what it can wrong
+with a plugin without calling it (an engine's factory needs a model to be called).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ ENVIRONMENT_GROUP = "rollout.environments"
 TOOL_GROUP = "rollout.tools"
 SCORER_GROUP = "rollout.scorers"
 TRACKER_GROUP = "rollout.trackers"
+ENGINE_GROUP = "rollout.engines"
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,9 @@ class PluginKind:
     """Where a run config names one."""
     untestable: str | None = None
     """Why `rollout plugins test` cannot run one locally; None when it can."""
+    factory_check: str | None = None
+    """'module:attr' of a function(plugin) -> list of problems found without calling it; None:
+    being callable is all that is checked when the reference is resolved."""
 
     def load_builtins(self) -> Mapping[str, Any]:
         """The built-ins by name (for a kind that only names them, each maps to None)."""
@@ -63,6 +69,10 @@ class PluginKind:
 
     def load_protocol(self) -> type:
         return _load(self.protocol)
+
+    def factory_problems(self, plugin: Any) -> list[str]:
+        """What `factory_check` finds wrong with a resolved plugin (nothing without one)."""
+        return _load(self.factory_check)(plugin) if self.factory_check else []
 
     def entry_points(self) -> list[importlib.metadata.EntryPoint]:
         """Installed entry points of this kind (none for a kind without a group)."""
@@ -104,12 +114,11 @@ KINDS: dict[str, PluginKind] = {
         ),
         PluginKind(
             "engine",
-            None,
+            ENGINE_GROUP,
             "rollout.engines.build:ENGINES",
             "rollout.engines.base:Engine",
             "[generation] engine",
-            untestable="an engine generates with a model: try it with `rollout generate`, "
-            "which loads one",
+            factory_check="rollout.engines.plugin:factory_problems",
         ),
         PluginKind(
             "tracker",

@@ -232,6 +232,87 @@ _TEMPLATES = {
             {"step": 2, "name": "reward/mean", "value": 0.5},
         ],
     ),
+    "engine": _Template(
+        "{name}",
+        """
+        \"\"\"{name}: an engine plugin (group rollout.engines). rollout calls {name}(spec) once per
+        engine with a rollout.engines.plugin.EngineSpec (the model, tokenizer, device, ...) and
+        wants an Engine back: generate(prompts, params), load_weights(weights, version), close(),
+        and the properties policy_version and stats (rollout.engines.base.Engine).
+
+        This one wraps the built-in hf engine and adds a stop rule: every completion also ends at
+        a blank line, whatever the request's own stop strings are; it logs each call.\"\"\"
+
+        import dataclasses
+        import logging
+
+        log = logging.getLogger(__name__)
+
+        BLANK_LINE = "\\n\\n"
+
+
+        class {camel}:
+            def __init__(self, inner):
+                self.inner = inner
+
+            def generate(self, prompts, params):
+                stop = tuple(dict.fromkeys((*params.stop, BLANK_LINE)))
+                completions = self.inner.generate(prompts, dataclasses.replace(params, stop=stop))
+                tokens = sum(len(completion.token_ids) for completion in completions)
+                log.info("{name}: %d prompt(s) -> %d token(s)", len(prompts), tokens)
+                return completions
+
+            def load_weights(self, weights, version):
+                self.inner.load_weights(weights, version)
+
+            @property
+            def policy_version(self):
+                return self.inner.policy_version
+
+            @property
+            def stats(self):
+                return self.inner.stats
+
+            def close(self):
+                self.inner.close()
+
+
+        def {name}(spec) -> {camel}:
+            return {camel}(spec.hf_engine())
+        """,
+        """
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from rollout.engines.base import SamplingParams
+        from rollout.engines.plugin import EngineSpec
+        from rollout.models.builtin_build import builtin_model_dir
+
+        from {name} import BLANK_LINE, {name}
+
+
+        def test_it_generates_with_the_tiny_model_and_stops_at_a_blank_line():
+            directory = builtin_model_dir("tiny-llama")
+            tokenizer = AutoTokenizer.from_pretrained(directory)
+            spec = EngineSpec(
+                model=AutoModelForCausalLM.from_pretrained(directory),
+                tokenizer=tokenizer,
+                eos_token_ids=[tokenizer.eos_token_id],
+                pad_token_id=tokenizer.pad_token_id or 0,
+                device="cpu",
+                max_batch_size=4,
+                seed=0,
+            )
+            engine = {name}(spec)
+            prompt = tokenizer.encode("1+1=")
+            completions = engine.generate([prompt], SamplingParams(max_new_tokens=8, n=2, seed=0))
+            assert len(completions) == 2
+            for completion in completions:
+                assert len(completion.logprobs) == len(completion.token_ids) <= 8
+                assert BLANK_LINE not in completion.text
+            engine.close()
+        """,
+        [{"prompt": "1+1="}, {"prompt": "The answer is", "n": 2, "temperature": 1.0}],
+    ),
 }
 
 SCAFFOLD_KINDS = tuple(_TEMPLATES)
@@ -270,12 +351,7 @@ def write_scaffold(kind: str, name: str, directory: Path) -> Scaffold:
 
 def _check(kind: str, name: str, directory: Path) -> _Template:
     if kind not in _TEMPLATES:
-        why = (
-            f"{kind} plugins are a closed choice in the config ({KINDS[kind].configured_by}): "
-            "there is no entry-point group a package could add one to"
-            if kind in KINDS
-            else f"there is no plugin kind {kind!r}"
-        )
+        why = f"there is no plugin kind {kind!r}"
         raise RolloutError(Issue("KIND", why, value=kind, hint=f"one of: {', '.join(_TEMPLATES)}"))
     if not name.isidentifier() or keyword.iskeyword(name) or not name.isascii():
         raise RolloutError(

@@ -127,6 +127,27 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def engine_service(
+    engine: Any,
+    tokenizer: Any,
+    *,
+    max_requests: int | None = None,
+    max_batch_size: int | None = None,
+) -> Any:
+    """The service that runs `engine` for concurrent requests: the built-in hf engine's
+    EngineService (continuous batching, token streaming), or for any other engine (a plugin,
+    which has only the Protocol's generate) a BatchService of whole generate calls."""
+    from rollout.engines.batch_service import BatchService
+    from rollout.engines.hf.engine import HfEngine
+    from rollout.engines.service import DEFAULT_MAX_REQUESTS, EngineService
+
+    requests = max_requests or DEFAULT_MAX_REQUESTS
+    # Exactly the built-in: a subclass may change generate, which the decode batch never calls.
+    if type(engine) is HfEngine:
+        return EngineService(engine, max_requests=requests)
+    return BatchService(engine, tokenizer, max_requests=requests, max_batch_size=max_batch_size)
+
+
 def served_engine(
     engine: Any,
     tokenizer: Any,
@@ -135,10 +156,16 @@ def served_engine(
     name: str,
     defaults: Any = None,
     max_requests: int | None = None,
+    model_config: Any = None,
+    max_batch_size: int | None = None,
+    reloadable: bool = False,
 ) -> Any:
-    """A ServedModel over an hf engine that is already built (`rollout serve`'s, or a training
-    run's own, which the agent harness serves to its agents): its EngineService started."""
-    from rollout.engines.service import DEFAULT_MAX_REQUESTS, EngineService
+    """A ServedModel over an engine that is already built (`rollout serve`'s, or a training
+    run's own, which the agent harness serves to its agents): its service started.
+    `model_config` (the transformers config) tells an engine plugin's context length and
+    vocabulary, which the hf engine knows itself. `reloadable`: behind a ReloadableService
+    (`rollout serve --dev`)."""
+    from rollout.serve.reloading import ReloadableService
     from rollout.serve.server import ServedModel
 
     def chat_encode(messages: list[dict[str, Any]]) -> list[int]:
@@ -152,7 +179,8 @@ def served_engine(
             )
         )
 
-    context = engine.context_length
+    config = model_config if model_config is not None else engine.model.config
+    context = getattr(config, "max_position_embeddings", None)
 
     def encode(text: str) -> list[int]:
         # Past context + 1 tokens the count no longer matters: the prompt is refused either way.
@@ -162,13 +190,17 @@ def served_engine(
     info = ModelInfo(
         name=name,
         context_length=context,
-        vocab_size=engine.model.config.vocab_size,
+        vocab_size=config.vocab_size,
         encode=encode,
         chat_encode=chat_encode if template else None,
         defaults=defaults if defaults is not None else Defaults(),
         max_token_chars=max_token_chars(tokenizer),
     )
-    service = EngineService(engine, max_requests=max_requests or DEFAULT_MAX_REQUESTS)
+    service = engine_service(
+        engine, tokenizer, max_requests=max_requests, max_batch_size=max_batch_size
+    )
+    if reloadable:
+        service = ReloadableService(service)
 
     # Alternatives (top_logprobs) ask for up to 20 token texts per sampled token: cache them.
     @functools.lru_cache(maxsize=1 << 16)

@@ -105,6 +105,10 @@ class ServedModel:
     token_text: Any
     """token id -> its text, for logprobs."""
     created: int = 0
+    reload: Callable[[], dict[str, Any]] | None = None
+    """`rollout serve --dev`: re-import the engine plugin's code and swap the engine (blocking;
+    a RolloutError when the new code does not load): the /admin/reload route's answer. None:
+    the route refuses."""
 
 
 ROUTES = {
@@ -112,9 +116,10 @@ ROUTES = {
     "/v1/completions": "POST",
     "/v1/chat/completions": "POST",
     "/metrics": "GET",
+    "/admin/reload": "POST",
 }
 """path -> the one method it takes. /metrics: Prometheus' text format (metrics.py), under the
-same key as every route."""
+same key as every route. /admin/reload: `rollout plugins reload` (a --dev server only)."""
 EPISODE_PREFIX = "/episodes/"
 """`/episodes/{episode_id}` + a route: the route, its completions recorded for the episode."""
 
@@ -275,6 +280,10 @@ class OpenAIServer:
                 # (a few milliseconds for a busy server's series; benchmarks/metrics_scrape.py).
                 text = await asyncio.to_thread(self.metrics.render)
                 return Response(text, media_type=CONTENT_TYPE_LATEST)
+            if path == "/admin/reload":
+                if episode is not None:
+                    raise ApiError(404, f"no route {path!r} under an episode", code="not_found")
+                return await self._reload()
             kind = "chat" if path == "/v1/chat/completions" else "completion"
             return await self._generate(kind, episode, body, scope, receive)
         except _Closing as closing:
@@ -322,6 +331,31 @@ class OpenAIServer:
                 "missing or wrong API key: send it as 'Authorization: Bearer <key>'",
                 code="invalid_api_key",
             )
+
+    async def _reload(self) -> Response:
+        """Swap the engine for one built from the plugin's code as it is now; in a worker thread,
+        so that the requests in flight stream on while the old engine finishes them."""
+        if self.model.reload is None:
+            raise ApiError(
+                403,
+                "this server does not reload its engine: start rollout serve with --dev",
+                code="reload_disabled",
+            )
+        from rollout.errors import RolloutError
+
+        try:
+            answer = await asyncio.to_thread(self.model.reload)
+        except RolloutError as error:
+            raise ApiError(
+                400,
+                "the engine plugin did not reload (the old engine still serves): "
+                + "; ".join(
+                    f"{issue.message}" + (f" ({issue.hint})" if issue.hint else "")
+                    for issue in error.issues
+                ),
+                code="reload_failed",
+            ) from None
+        return json_response(200, answer)
 
     def _models(self) -> Response:
         model = self.model

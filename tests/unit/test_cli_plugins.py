@@ -369,11 +369,92 @@ def test_scorers_builtin_and_plugin(tmp_path):
     assert "rows.jsonl:1" in output and "not a score in [0, 1]" in output
 
 
-def test_engines_are_refused_with_the_reason(tmp_path):
+ENGINES = """
+import dataclasses
+
+
+class Marked:
+    \"\"\"The built-in hf engine, every completion's text marked.\"\"\"
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def generate(self, prompts, params):
+        return [
+            dataclasses.replace(c, text="[marked]" + c.text)
+            for c in self.inner.generate(prompts, params)
+        ]
+
+    def load_weights(self, weights, version):
+        self.inner.load_weights(weights, version)
+
+    @property
+    def policy_version(self):
+        return self.inner.policy_version
+
+    @property
+    def stats(self):
+        return self.inner.stats
+
+    def close(self):
+        self.inner.close()
+
+
+def make(spec):
+    return Marked(spec.hf_engine())
+
+
+class Short(Marked):
+    def generate(self, prompts, params):
+        return self.inner.generate(prompts, params)[:-1]  # one completion too few
+
+
+def short(spec):
+    return Short(spec.hf_engine())
+
+
+def nothing(spec):
+    return 42
+"""
+
+
+def test_an_engine_plugin_generates_for_each_prompt_on_the_tiny_model(tmp_path):
+    write(tmp_path / "engines.py", ENGINES)
+    sample = jsonl(tmp_path / "prompts.jsonl", [{"prompt": "1+1="}, {"prompt": "2+2=", "n": 2}])
+    report = trial("./engines.py:make", "--kind", "engine", "--sample", sample,
+                   "--config-dir", tmp_path)  # fmt: skip
+    assert report["identity"]["kind"] == "file" and report["identity"]["sha256"]
+    labels = [call["label"] for call in report["calls"]]
+    assert labels == ["load builtin:tiny-llama", "build", "generate 1", "generate 2"]
+    first, second = report["calls"][2]["result"], report["calls"][3]["result"]
+    assert len(first) == 1 and len(second) == 2
+    assert all(c["text"].startswith("[marked]") and 1 <= c["tokens"] <= 16 for c in first + second)
+
+
+@pytest.mark.parametrize(
+    ("ref", "expected"),
+    [
+        ("./engines.py:short", "returned 1 completions, asked for n=2"),
+        ("./engines.py:nothing", "returned a int, which has no generate(), load_weights()"),
+        ("./engines.py:absent", "has no attribute 'absent'"),
+        ("hf", "is a built-in engine"),
+    ],
+)
+def test_a_wrong_engine_plugin_is_one_error(tmp_path, ref, expected):
+    write(tmp_path / "engines.py", ENGINES)
+    sample = jsonl(tmp_path / "prompts.jsonl", [{"prompt": "1+1=", "n": 2}])
+    code, output = plugins("test", ref, "--kind", "engine", "--sample", sample,
+                           "--config-dir", tmp_path)  # fmt: skip
+    assert code == 2, output
+    assert expected in " ".join(output.split()), output
+
+
+def test_only_an_engine_is_tried_on_a_model(tmp_path):
     sample = jsonl(tmp_path / "s.jsonl", ROWS)
-    code, output = plugins("test", "hf", "--kind", "engine", "--sample", sample)
+    code, output = plugins("test", "exact_match", "--kind", "reward", "--sample", sample,
+                           "--model", "builtin:tiny-llama")  # fmt: skip
     assert code == 2
-    assert "engine plugins cannot be tried on a sample" in output and "model" in output
+    assert "only an engine plugin is tried on a model" in output
 
 
 TRACKERS = """
@@ -442,7 +523,17 @@ def test_a_failing_tracker_or_row_is_one_error(tmp_path, ref, rows, expected):
 # new
 
 
-@pytest.mark.parametrize("kind", ["reward", "environment", "tool", "scorer", "tracker"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "reward",
+        "environment",
+        "tool",
+        "scorer",
+        "tracker",
+        pytest.param("engine", marks=pytest.mark.slow),  # loads the tiny model three times
+    ],
+)
 def test_new_scaffolds_a_package_whose_test_passes_and_whose_entry_point_is_found(tmp_path, kind):
     target = tmp_path / "pkg"
     code, output = plugins("new", kind, "acme_thing", "--dir", target)
@@ -492,7 +583,7 @@ def test_new_scaffolds_a_package_whose_test_passes_and_whose_entry_point_is_foun
         (["reward", "class"], "is not a valid Python identifier"),
         (["reward", "json"], "existing module"),
         (["reward", "exact_match"], "is a built-in reward"),
-        (["engine", "fast"], "closed choice"),
+        (["engine", "hf"], "is a built-in engine"),
         (["widget", "w"], "no plugin kind 'widget'"),
     ],
 )

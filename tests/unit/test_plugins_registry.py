@@ -13,7 +13,7 @@ from typing import get_args
 
 import pytest
 
-from rollout.config.generation import GenerationSection
+from rollout.config.generation import BUILTIN_ENGINES
 from rollout.config.logging import Tracker
 from rollout.harness.environments import BUILTIN_ENVIRONMENTS
 from rollout.harness.eval.scorers import SCORERS
@@ -45,8 +45,7 @@ def test_every_kind_lists_the_names_a_config_accepts_without_a_plugin():
     assert names("scorer") == set(SCORERS)
     # the environments the run builds itself (from rewards, tools, an agent command) too
     assert names("environment") == set(BUILTIN_ENVIRONMENTS) | {"single_turn", "tools", "agent"}
-    engine = GenerationSection.model_fields["engine"].annotation
-    assert names("engine") == set(get_args(engine))
+    assert names("engine") == set(BUILTIN_ENGINES)
     assert names("tracker") == set(get_args(Tracker))
 
 
@@ -73,7 +72,7 @@ def test_the_groups_are_the_ones_plugins_were_installed_under():
         "environment": "rollout.environments",
         "tool": "rollout.tools",
         "scorer": "rollout.scorers",
-        "engine": None,
+        "engine": "rollout.engines",
         "tracker": "rollout.trackers",
     }
 
@@ -152,3 +151,9 @@ def test_listing_every_kind_imports_no_torch():
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_the_config_and_build_engine_name_the_same_builtin_engines():
+    from rollout.engines.build import ENGINES
+
+    assert set(ENGINES) == set(BUILTIN_ENGINES)

@@ -125,6 +125,7 @@ class AgentActor:
         tokenizer: Any,
         chat_template: str | None,
         model_name: str = "policy",
+        model_config: Any = None,
     ):
         self.rewards = rewards
         self.engine = engine
@@ -144,6 +145,7 @@ class AgentActor:
             chat_template,
             name=model_name,
             max_requests=max(256, 4 * settings.concurrency),
+            model_config=model_config,  # an engine plugin's context length and vocabulary
         )
         self.server = OpenAIServer(
             ("127.0.0.1", 0),

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from rollout.engines.base import DEFAULT_BATCH_SIZE, SamplingParams
+from rollout.engines.base import SamplingParams, default_batch_size
 from rollout.harness.eval.results import metric_names, suite_result
 from rollout.harness.eval.scorers import SCORERS, FunctionScorer, Score, Scorer
 from rollout.harness.eval.suites import CheckedSuite, Sampling, encode_suites, run_suite
@@ -130,7 +130,7 @@ def build_suite_evaluator(
     sampling = Sampling(
         engine,
         partial(SamplingParams, top_k=generation.top_k, stop=tuple(generation.stop)),
-        first(generation.max_batch_size, DEFAULT_BATCH_SIZE[generation.engine]),
+        first(generation.max_batch_size, default_batch_size(generation.engine)),
         config.run.seed,
     )
     shards = [

@@ -25,7 +25,6 @@ from rollout.algorithms.advantages import turn_advantages
 from rollout.config.environment import episode_tokens
 from rollout.engines.base import Engine, SamplingParams
 from rollout.engines.build import build_engine
-from rollout.engines.hf.engine import HfEngine
 from rollout.harness.agents import AgentProgram, AgentSpec
 from rollout.harness.environments.runner import EnvironmentRunner
 from rollout.harness.environments.single_turn import SingleTurn
@@ -40,6 +39,7 @@ from rollout.plugins.sidecar.host import SidecarHost, server_argv
 from rollout.runtime.checkpoint import Extra, LoopFiles
 from rollout.runtime.components import build_optimizer, build_reward_functions, build_scheduler
 from rollout.runtime.context import WorkerContext
+from rollout.runtime.engine_plugin import load_engine_plugin
 from rollout.runtime.online.actor import Actor, PromptFormat
 from rollout.runtime.online.agents import AgentActor, AgentSettings
 from rollout.runtime.online.algorithms import ALGORITHMS, OnlineAlgorithm
@@ -75,11 +75,14 @@ class Roles:
     """With LoRA: the adapters the learner trains (the engine samples with them in place)."""
     suites: SuiteEvaluator | None = None
     """[[eval.suites]], scored with the engine when the held-out split is."""
+    engine_shares_model: bool = True
+    """The engine samples with the learner's own module (hf, and engine plugins, which are given
+    it as their spec's model); False for vLLM, which keeps a copy of its own."""
 
     def sync_weights(self, version: int) -> None:
-        """The learner's weights to the engine: the hf engine shares the learner's module (only
-        the version moves); vLLM keeps its own copy, which takes every tensor in place."""
-        shared = isinstance(self.engine, HfEngine)
+        """The learner's weights to the engine: a shared module is already up to date (only the
+        version moves); vLLM's own copy takes every tensor in place."""
+        shared = self.engine_shares_model
         self.engine.load_weights(None if shared else self.learner.model.state_dict(), version)
 
     def extras(self) -> dict[str, Extra]:
@@ -268,6 +271,7 @@ def _build_roles(ctx: WorkerContext) -> Roles:
         token_advantages=_token_advantages(ctx.plan, kind, learner, reference),
         adapters=adapters,
         suites=build_suite_evaluator(ctx, engine, loaded, model),
+        engine_shares_model=plan.config.generation.engine != "vllm",
     )
 
 
@@ -433,6 +437,7 @@ def _agent_actor(
         ),
         tokenizer=loaded.tokenizer,
         chat_template=loaded.chat_template,
+        model_config=loaded.model.config,
         model_name=plan.run_id,
     )
 
@@ -568,6 +573,7 @@ def _build_engine(ctx: WorkerContext, loaded, model: torch.nn.Module) -> Engine:
         max_model_len=context,
         cuda_graphs=None if gen.cuda_graphs == "auto" else gen.cuda_graphs,
         max_context=context,
+        plugin=load_engine_plugin(plan.engine),
     )
 
 
