@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field
+from pydantic_core import PydanticCustomError
 
 from rollout.config.base import ConfigModel
 from rollout.config.rewards import check_plugin_ref
@@ -21,8 +22,13 @@ def check_engine(value: str) -> str:
     if ":" not in value:
         from rollout.config.translate import did_you_mean_choice
 
-        if (hint := did_you_mean_choice(value, list(BUILTIN_ENGINES))) is not None:
-            raise ValueError(f"no engine {value!r}; {hint}")
+        if did_you_mean_choice(value, list(BUILTIN_ENGINES)) is not None:
+            # As a choice outside a Literal is reported: "expected one of", with the hint.
+            raise PydanticCustomError(
+                "literal_error",
+                "Input should be {expected}",
+                {"expected": " or ".join(repr(name) for name in BUILTIN_ENGINES)},
+            )
     return value
 
 

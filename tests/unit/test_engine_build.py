@@ -78,5 +78,5 @@ def test_vllm_gets_its_directory_tokenizer_and_limits(monkeypatch, tiny_llama, t
 def test_vllm_needs_a_directory_and_unknown_engines_are_refused(tiny_llama):
     with pytest.raises(ValueError, match="pass model_dir"):
         build_engine("vllm", model=None, **_tokens(tiny_llama, max_batch_size=None))
-    with pytest.raises(ValueError, match="unknown engine 'sglang': one of hf, vllm"):
+    with pytest.raises(ValueError, match="engine 'sglang' is no built-in \\(hf, vllm\\)"):
         build_engine("sglang", model=None, **_tokens(tiny_llama, max_batch_size=None))
