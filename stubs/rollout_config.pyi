@@ -412,9 +412,13 @@ class FsdpMixedPrecision(TypedDict):
     Default: 'float32'."""
 
 class GenerationSection(TypedDict):
-    engine: NotRequired[Literal["hf", "vllm"]]
-    """Generation backend: 'hf' (embedded, runs anywhere) or 'vllm' (GPU only; install
-    rollout[vllm]).
+    engine: NotRequired[str]
+    """Generation backend: 'hf' (embedded, runs anywhere), 'vllm' (GPU only; install
+    rollout[vllm]), or an engine plugin: 'package.module:make', './file.py:make' (relative to
+    the config) or an entry point in the 'rollout.engines' group, called as make(spec) for an
+    object with the Engine methods (generate, load_weights, policy_version, stats, close). A
+    plugin engine gets the hf engine's defaults; vllm-only keys are refused with it. See
+    docs/plugins.md.
 
     Default: 'hf'."""
     max_new_tokens: NotRequired[int]
