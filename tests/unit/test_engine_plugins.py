@@ -194,3 +194,34 @@ def test_a_swap_finishes_what_is_in_flight_then_serves_with_the_new_engine(tiny_
     after = service.submit([1, 20], SamplingParams(max_new_tokens=4, seed=0))
     assert after.result(timeout=60)[0].text.startswith("[new]")
     service.close()
+
+
+@pytest.mark.parametrize(
+    ("engine", "expected"),
+    [
+        ("vllm", "vllm has a server of its own"),
+        ("hff", "did you mean 'hf'?"),
+        ("./absent_engine.py:make", "plugin file './absent_engine.py' not found"),
+    ],
+)
+def test_serve_refuses_an_engine_it_cannot_serve_before_loading_a_model(engine, expected):
+    from rollout.errors import RolloutError
+    from rollout.inference.serve_source import _engine_plugin
+
+    with pytest.raises(RolloutError) as caught:
+        _engine_plugin(engine)
+    (issue,) = caught.value.issues
+    assert issue.path == "--engine"
+    assert expected in f"{issue.message} {issue.hint}"
+
+
+def test_the_hf_engine_is_served_continuously_batched_and_a_plugin_in_whole_calls(tiny_llama):
+    from rollout.engines.service import EngineService
+    from rollout.serve.loading import engine_service
+
+    hf = HfEngine(tiny_llama.model, **tokens(tiny_llama), max_batch_size=4)
+    plugin = served_plugin(tiny_llama)
+    for engine, kind in ((hf, EngineService), (plugin, BatchService)):
+        service = engine_service(engine, tiny_llama.tokenizer)
+        assert isinstance(service, kind)
+        service.close()
