@@ -131,12 +131,14 @@ ENGINE_FLAG = "--engine"
 def _engine_plugin(engine: str) -> Any:
     """The resolved plugin --engine names (None for hf); vllm is refused: it keeps no decode
     batch for concurrent requests."""
-    from rollout.config.generation import check_engine, is_plugin_engine
+    from rollout.config.generation import BUILTIN_ENGINES, check_engine, is_plugin_engine
+    from rollout.config.translate import did_you_mean_choice
 
     try:
         check_engine(engine)
     except ValueError as error:
-        raise RolloutError(Issue(ENGINE_FLAG, str(error), value=engine)) from None
+        hint = did_you_mean_choice(engine, list(BUILTIN_ENGINES))
+        raise RolloutError(Issue(ENGINE_FLAG, str(error), value=engine, hint=hint)) from None
     if engine == "vllm":
         raise RolloutError(
             Issue(
