@@ -1383,6 +1383,13 @@ class RunSection(TypedDict):
     data.eval is set.
 
     Range: ≥ 1. Default: None."""
+    eval_samples: NotRequired[int]
+    """Completions (or episodes) per data.eval row. 1: one greedy completion. More: sampled at
+    [generation]'s temperature, top_p and top_k (on the same seed at every evaluation), and
+    eval/* is their mean: the held-out success of the policy as it samples, which is what an
+    online run trains. Online algorithms only.
+
+    Range: ≥ 1, ≤ 64. Default: 1."""
 
 class SftConfig(TypedDict):
     """SFT: next-token cross-entropy on demonstrations."""

@@ -468,6 +468,38 @@ def eval_interval_needs_eval_data(config: RunConfig) -> Iterator[Issue]:
         )
 
 
+@rule("run", "data", "algorithm", "generation")
+def eval_samples_are_drawn(config: RunConfig) -> Iterator[Issue]:
+    """run.eval_samples > 1 samples the held-out set: it needs one, an online algorithm (the
+    offline kinds score held-out loss, not completions) and a temperature above 0."""
+    samples = config.run.eval_samples
+    if samples == 1:
+        return
+    if config.data.eval is None:
+        yield Issue(
+            "run.eval_samples",
+            f"{samples} samples per held-out row, but there is no held-out set",
+            value=samples,
+            hint="add [data.eval] path = ..., or remove run.eval_samples",
+        )
+    elif config.algorithm.kind not in ONLINE_KINDS:
+        yield Issue(
+            "run.eval_samples",
+            f"{config.algorithm.kind} evaluates the held-out set's loss, not sampled "
+            "completions: there is nothing to sample",
+            value=samples,
+            hint="remove run.eval_samples",
+        )
+    elif config.generation.temperature == 0:
+        yield Issue(
+            "run.eval_samples",
+            f"{samples} samples per held-out row at generation.temperature = 0 would all be "
+            "the same completion",
+            value=samples,
+            hint="raise generation.temperature, or set run.eval_samples = 1",
+        )
+
+
 @rule("eval", "algorithm", "generation")
 def eval_suites_fit_the_run(config: RunConfig) -> Iterator[Issue]:
     """[eval] suites sample with the trainer's engine: online kinds only; their own cross-field

@@ -779,6 +779,11 @@ SECTION_CASES: dict[str, list[Case]] = {
         run_shows("grpo", {"run.eval_interval": 1}, steps_of("eval/")),
         run_shows("dpo", {"run.eval_interval": 1}, steps_of("eval/")),
     ],
+    "run.eval_samples": [
+        run_shows("grpo", {"run.eval_samples": 3}, metric("eval/reward")),
+        refused("grpo", {"run.eval_samples": 3, "generation.temperature": 0}),
+        refused("dpo", {"run.eval_samples": 3}),
+    ],
     "eval.suites[].name": [
         run_shows("grpo", {"eval.suites[0].name": "other"}, names_of("eval/"), base=SUITE)
     ],

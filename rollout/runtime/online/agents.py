@@ -184,15 +184,18 @@ class AgentActor:
         ]
         return Rollout(batch=batch, metrics=metrics, samples=samples)
 
-    def evaluate(self, rows: Sequence[Row], *, seed: int) -> tuple[dict[str, float], int]:
-        """Summed returns of one greedy episode per row, and how many rows (see
-        evaluate.evaluate: sums, for the mean over every rank's share)."""
+    def evaluate(
+        self, rows: Sequence[Row], *, seed: int, samples: int = 1
+    ) -> tuple[dict[str, float], int]:
+        """Summed returns of one greedy episode per row (or `samples` sampled ones, as training
+        samples), and how many episodes (see evaluate.evaluate: sums, for the mean over every
+        rank's share). Agents' requests carry no seed of ours: `seed` is unused here."""
         names = ("eval/reward", "eval/failed_fraction", "eval/calls_mean")
         if not rows:
             return dict.fromkeys(names, 0.0), 0
-        self._greedy = True
+        self._greedy = samples == 1
         try:
-            episodes = self._play([dict(row) for row in rows])
+            episodes = self._play([dict(row) for row in rows for _ in range(samples)])
         finally:
             self._greedy = False
         returns = self._returns(episodes)
@@ -201,7 +204,7 @@ class AgentActor:
             sum(e.failure is not None for e in episodes),
             sum(e.calls for e in episodes),
         )
-        return dict(zip(names, map(float, sums), strict=True)), len(rows)
+        return dict(zip(names, map(float, sums), strict=True)), len(episodes)
 
     def close(self) -> None:
         self.server.stop()
