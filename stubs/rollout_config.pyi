@@ -1184,6 +1184,19 @@ class RewardSpec(TypedDict):
     crash is survived the same way. Costs a round trip per batch.
 
     Default: 'in_process'."""
+    on_error: NotRequired[Literal["stop", "fail_sample"]]
+    """When the sidecar hangs, crashes or raises on a batch, the batch is bisected to find the
+    samples it fails on alone (docs/sidecar.md). 'stop': the step stops with an error naming
+    the reward, the sample and the cause. 'fail_sample': those samples are scored
+    failure_score, the reason is logged, and the rest of the batch keeps its scores.
+    'fail_sample' needs isolation = 'sidecar' (only a process of its own can be killed and
+    asked again).
+
+    Default: 'stop'."""
+    failure_score: NotRequired[float]
+    """The score of a sample this reward failed on (on_error = 'fail_sample'), before weighting.
+
+    Default: 0.0."""
     python: NotRequired[str | None]
     """With isolation = 'sidecar': the Python interpreter the sidecar runs (e.g.
     '/opt/venvs/judge/bin/python'); rollout and the plugin must import there. Default: the

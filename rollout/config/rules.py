@@ -855,6 +855,24 @@ def reward_models_take_no_function_settings(config: RunConfig) -> Iterator[Issue
                 value=spec.python,
                 hint=f'set rewards[{i}].isolation = "sidecar", or remove rewards[{i}].python',
             )
+        if spec.on_error == "fail_sample" and spec.isolation != "sidecar":
+            yield Issue(
+                f"rewards[{i}].on_error",
+                "'fail_sample' fails only the samples a reward fails on, which are found by "
+                "killing and asking again a process of its own; this reward runs in the worker",
+                value="fail_sample",
+                hint=f'set rewards[{i}].isolation = "sidecar", or remove rewards[{i}].on_error',
+            )
+        # By value, not by "was it set": a resolved config (plan.lock) echoes every default.
+        if spec.failure_score != 0.0 and spec.on_error != "fail_sample":
+            yield Issue(
+                f"rewards[{i}].failure_score",
+                "failure_score scores the samples a reward failed on, and with on_error = "
+                "'stop' a failure stops the step instead",
+                value=spec.failure_score,
+                hint=f'set rewards[{i}].on_error = "fail_sample", or remove '
+                f"rewards[{i}].failure_score",
+            )
         if spec.model is not None and spec.fn is None and spec.allow_unsandboxed:
             yield Issue(
                 f"rewards[{i}].allow_unsandboxed",

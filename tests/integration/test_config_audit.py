@@ -1143,6 +1143,27 @@ SECTION_CASES: dict[str, list[Case]] = {
             lambda plan: plan.rewards[0].python,
         ),
     ],
+    # Which samples fail and what they score is tests/unit/test_sidecar_isolation.py's.
+    "rewards[].on_error": [
+        refused("grpo", {"rewards[0].on_error": "fail_sample"}),
+        plan_shows(
+            "grpo",
+            {"rewards[0].on_error": "fail_sample", "rewards[0].isolation": "sidecar"},
+            lambda plan: plan.rewards[0].on_error,
+        ),
+    ],
+    "rewards[].failure_score": [
+        refused("grpo", {"rewards[0].failure_score": -1.0}),
+        plan_shows(
+            "grpo",
+            {
+                "rewards[0].failure_score": -1.0,
+                "rewards[0].on_error": "fail_sample",
+                "rewards[0].isolation": "sidecar",
+            },
+            lambda plan: plan.rewards[0].failure_score,
+        ),
+    ],
     "rewards[].timeout_s": [
         run_shows("grpo", {"rewards[1].timeout_s": 0.02}, timed_out, base=SLOW_REWARD, fails=True),
         run_shows("grpo", {"rewards[0].timeout_s": 1e-6}, timed_out, base=REWARD_MODEL, fails=True),
