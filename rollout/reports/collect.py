@@ -2,8 +2,8 @@
 
 Everything here is bounded whatever the run's size, so the page stays a few MB and opens fast:
 series are thinned to `max_points` (rollout.reports.series), samples to `MAX_SAMPLES` from at
-most `MAX_SAMPLE_STEPS` steps spread over the run, each text to `MAX_SAMPLE_TEXT` characters (rollout.storage.base). The page
-says where it thinned.
+most `MAX_SAMPLE_STEPS` steps spread over the run, each text to
+rollout.storage.base.MAX_SAMPLE_TEXT characters. The page says where it thinned.
 """
 
 from __future__ import annotations
@@ -164,4 +164,3 @@ def _turn_json(turn: dict[str, Any]) -> dict[str, Any]:
         "content": clip_text(str(turn.get("content", ""))),
         "meta": meta,
     }
-
