@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from rollout.testing.browser import CHROMIUM, CHROMIUM_ARGS
+
 # Nothing is downloaded: set before anything imports huggingface_hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -307,18 +309,6 @@ def artifact_root(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "gs":
         return request.getfixturevalue("gcs_bucket") + "/artifacts"
     return str(tmp_path / "artifacts")
-
-
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 
 
 @pytest.fixture(scope="module")
