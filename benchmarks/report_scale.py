@@ -16,18 +16,10 @@ from pathlib import Path
 from rollout.reports.render import write_report
 from rollout.storage import open_store
 from rollout.storage.base import MetricRecord, SampleRecord
+from rollout.testing.browser import CHROMIUM, CHROMIUM_ARGS
 
 NAMES = ["reward/mean", "reward/std", "train/loss", "perf/step_s", "perf/generate_s"] + [
     f"train/extra_{i}" for i in range(5)
-]
-ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
 ]
 
 
@@ -51,7 +43,7 @@ def fill(location: str, rows: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=1_000_000)
-    parser.add_argument("--chromium", default="/usr/bin/chromium")
+    parser.add_argument("--chromium", default=CHROMIUM)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         location = f"sqlite:{Path(tmp) / 'rollout.db'}"
@@ -65,7 +57,7 @@ def main() -> None:
         from playwright.sync_api import sync_playwright
 
         with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=args.chromium, args=ARGS)
+            browser = playwright.chromium.launch(executable_path=args.chromium, args=CHROMIUM_ARGS)
             for attempt in range(3):
                 page = browser.new_page()
                 page.goto(path.as_uri())

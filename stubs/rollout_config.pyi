@@ -1188,6 +1188,19 @@ class RewardSpec(TypedDict):
     crash is survived the same way. Costs a round trip per batch.
 
     Default: 'in_process'."""
+    on_error: NotRequired[Literal["stop", "fail_sample"]]
+    """When the sidecar hangs, crashes or raises on a batch, the batch is bisected to find the
+    samples it fails on alone (docs/sidecar.md). 'stop': the step stops with an error naming
+    the reward, the sample and the cause. 'fail_sample': those samples are scored
+    failure_score, the reason is logged, and the rest of the batch keeps its scores.
+    'fail_sample' needs isolation = 'sidecar' (only a process of its own can be killed and
+    asked again).
+
+    Default: 'stop'."""
+    failure_score: NotRequired[float]
+    """The score of a sample this reward failed on (on_error = 'fail_sample'), before weighting.
+
+    Default: 0.0."""
     python: NotRequired[str | None]
     """With isolation = 'sidecar': the Python interpreter the sidecar runs (e.g.
     '/opt/venvs/judge/bin/python'); rollout and the plugin must import there. Default: the
@@ -1387,6 +1400,13 @@ class RunSection(TypedDict):
     data.eval is set.
 
     Range: ≥ 1. Default: None."""
+    eval_samples: NotRequired[int]
+    """Completions (or episodes) per data.eval row. 1: one greedy completion. More: sampled at
+    [generation]'s temperature, top_p and top_k (on the same seed at every evaluation), and
+    eval/* is their mean: the held-out success of the policy as it samples, which is what an
+    online run trains. Online algorithms only.
+
+    Range: ≥ 1, ≤ 64. Default: 1."""
 
 class SftConfig(TypedDict):
     """SFT: next-token cross-entropy on demonstrations."""

@@ -1,4 +1,5 @@
-"""Shared fixtures: a valid base config, and a writer that puts configs (and data) on disk."""
+"""Shared fixtures: a valid base config, a writer that puts configs (and data) on disk, and a
+headless Chromium for the run report's page."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from rollout.testing.browser import CHROMIUM, CHROMIUM_ARGS
 
 # Nothing is downloaded: set before anything imports huggingface_hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -306,3 +309,15 @@ def artifact_root(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "gs":
         return request.getfixturevalue("gcs_bucket") + "/artifacts"
     return str(tmp_path / "artifacts")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium driven by playwright, for run reports (skipped where either is absent)."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install 'rollout[test]'")
+    if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
+        pytest.skip("no chromium: apt-get install chromium")
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()

@@ -98,6 +98,21 @@ class RewardSpec(ConfigModel):
         "its own (docs/sidecar.md), killed at timeout_s and restarted with the batch resubmitted "
         "once; a crash is survived the same way. Costs a round trip per batch.",
     )
+    on_error: Literal["stop", "fail_sample"] = Field(
+        default="stop",
+        description="When the sidecar hangs, crashes or raises on a batch, the batch is bisected "
+        "to find the samples it fails on alone (docs/sidecar.md). 'stop': the step stops with an "
+        "error naming the reward, the sample and the cause. 'fail_sample': those samples are "
+        "scored failure_score, the reason is logged, and the rest of the batch keeps its scores. "
+        "'fail_sample' needs isolation = 'sidecar' (only a process of its own can be killed and "
+        "asked again).",
+    )
+    failure_score: float = Field(
+        default=0.0,
+        allow_inf_nan=False,
+        description="The score of a sample this reward failed on (on_error = 'fail_sample'), "
+        "before weighting.",
+    )
     python: str | None = Field(
         default=None,
         min_length=1,

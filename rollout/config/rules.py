@@ -468,6 +468,38 @@ def eval_interval_needs_eval_data(config: RunConfig) -> Iterator[Issue]:
         )
 
 
+@rule("run", "data", "algorithm", "generation")
+def eval_samples_are_drawn(config: RunConfig) -> Iterator[Issue]:
+    """run.eval_samples > 1 samples the held-out set: it needs one, an online algorithm (the
+    offline kinds score held-out loss, not completions) and a temperature above 0."""
+    samples = config.run.eval_samples
+    if samples == 1:
+        return
+    if config.data.eval is None:
+        yield Issue(
+            "run.eval_samples",
+            f"{samples} samples per held-out row, but there is no held-out set",
+            value=samples,
+            hint="add [data.eval] path = ..., or remove run.eval_samples",
+        )
+    elif config.algorithm.kind not in ONLINE_KINDS:
+        yield Issue(
+            "run.eval_samples",
+            f"{config.algorithm.kind} evaluates the held-out set's loss, not sampled "
+            "completions: there is nothing to sample",
+            value=samples,
+            hint="remove run.eval_samples",
+        )
+    elif config.generation.temperature == 0:
+        yield Issue(
+            "run.eval_samples",
+            f"{samples} samples per held-out row at generation.temperature = 0 would all be "
+            "the same completion",
+            value=samples,
+            hint="raise generation.temperature, or set run.eval_samples = 1",
+        )
+
+
 @rule("eval", "algorithm", "generation")
 def eval_suites_fit_the_run(config: RunConfig) -> Iterator[Issue]:
     """[eval] suites sample with the trainer's engine: online kinds only; their own cross-field
@@ -822,6 +854,24 @@ def reward_models_take_no_function_settings(config: RunConfig) -> Iterator[Issue
                 "(isolation = 'in_process')",
                 value=spec.python,
                 hint=f'set rewards[{i}].isolation = "sidecar", or remove rewards[{i}].python',
+            )
+        if spec.on_error == "fail_sample" and spec.isolation != "sidecar":
+            yield Issue(
+                f"rewards[{i}].on_error",
+                "'fail_sample' fails only the samples a reward fails on, which are found by "
+                "killing and asking again a process of its own; this reward runs in the worker",
+                value="fail_sample",
+                hint=f'set rewards[{i}].isolation = "sidecar", or remove rewards[{i}].on_error',
+            )
+        # By value, not by "was it set": a resolved config (plan.lock) echoes every default.
+        if spec.failure_score != 0.0 and spec.on_error != "fail_sample":
+            yield Issue(
+                f"rewards[{i}].failure_score",
+                "failure_score scores the samples a reward failed on, and with on_error = "
+                "'stop' a failure stops the step instead",
+                value=spec.failure_score,
+                hint=f'set rewards[{i}].on_error = "fail_sample", or remove '
+                f"rewards[{i}].failure_score",
             )
         if spec.model is not None and spec.fn is None and spec.allow_unsandboxed:
             yield Issue(

@@ -35,3 +35,12 @@ class RunSection(ConfigModel):
         description="Evaluate on data.eval every this many steps (and at the end). None: only at the "
         "end, when data.eval is set.",
     )
+    eval_samples: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Completions (or episodes) per data.eval row. 1: one greedy completion. "
+        "More: sampled at [generation]'s temperature, top_p and top_k (on the same seed at every "
+        "evaluation), and eval/* is their mean: the held-out success of the policy as it "
+        "samples, which is what an online run trains. Online algorithms only.",
+    )

@@ -27,7 +27,7 @@ import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from rollout.errors import Issue, did_you_mean
 
@@ -60,12 +60,17 @@ class RewardError(Exception):
         self.sample = sample
 
 
+OnError = Literal["stop", "fail_sample"]
+"""rewards[i].on_error: what a sample its sidecar hangs, crashes or raises on costs."""
+
+
 @dataclass(frozen=True)
 class RewardFunction:
     """A reward plugin ready to call; build it with ``describe``.
 
     accepts: the keyword parameters ``fn`` names, or None when it takes ``**kwargs`` (then every
-    dataset field is passed to it).
+    dataset field is passed to it). on_error: what a sample a sidecar fails on costs ("stop":
+    the step; "fail_sample": that sample, scored ``failure_score``); see reward_runner.
     """
 
     name: str
@@ -74,10 +79,19 @@ class RewardFunction:
     options: Mapping[str, Any]
     timeout_s: float
     accepts: frozenset[str] | None
+    on_error: OnError = "stop"
+    failure_score: float = 0.0
 
 
 def describe(
-    name: str, fn: Callable[..., Any], weight: float, options: Mapping[str, Any], timeout_s: float
+    name: str,
+    fn: Callable[..., Any],
+    weight: float,
+    options: Mapping[str, Any],
+    timeout_s: float,
+    *,
+    on_error: OnError = "stop",
+    failure_score: float = 0.0,
 ) -> RewardFunction:
     """A RewardFunction for ``fn``, its signature read once here rather than on every batch."""
     return RewardFunction(
@@ -87,6 +101,8 @@ def describe(
         options=MappingProxyType(dict(options)),
         timeout_s=timeout_s,
         accepts=accepted_keywords(fn),
+        on_error=on_error,
+        failure_score=failure_score,
     )
 
 

@@ -561,6 +561,7 @@ _TRACKER_FORMAT = 'each item is {"step": 1, "name": "reward/mean", "value": 0.5}
 
 def _tracker(job: _Job) -> Trial:
     from rollout.harness.deadline import Overran, Raised
+    from rollout.runtime.trackers import TRACKER_SHAPE, not_a_tracker
     from rollout.storage.base import MetricRecord
 
     ref, sample, timeout_s = job.ref, job.sample, job.timeout_s
@@ -601,16 +602,9 @@ def _tracker(job: _Job) -> Trial:
     with tempfile.TemporaryDirectory(prefix="rollout-tracker-") as run_dir:
         made = "factory(run_id, run_dir)"
         tracker, make_s = timed(made, lambda: resolved.fn(run_id="plugins-test", run_dir=run_dir))
-        missing = [n for n in ("log", "close") if not callable(getattr(tracker, n, None))]
-        if missing:
-            raise RolloutError(
-                Issue(
-                    f"tracker {ref!r}",
-                    f"returned a {type(tracker).__name__}, which has no "
-                    f"{' or '.join(f'{n}()' for n in missing)}",
-                    hint="a tracker plugin returns an object with log(rows) and close()",
-                )
-            )
+        problem = not_a_tracker(tracker)
+        if problem:
+            raise RolloutError(Issue(f"tracker {ref!r}", problem, hint=TRACKER_SHAPE))
         _, log_s = timed(f"log({len(rows)} rows)", lambda: tracker.log(rows))
         _, close_s = timed("close()", tracker.close)
         root = Path(run_dir)

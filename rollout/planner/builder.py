@@ -511,7 +511,12 @@ def _sidecar(
     python, problem = sidecar_python(spec.python, f"rewards[{index}].python", base)
     found = [problem] if problem is not None else sidecar_issues(spec, index, identity, python)
     issues.extend(found)
-    return {"isolation": "sidecar", "python": python}
+    return {
+        "isolation": "sidecar",
+        "python": python,
+        "on_error": spec.on_error,
+        "failure_score": spec.failure_score,
+    }
 
 
 def _reward_model(spec: RewardSpec, base: Path, used_by: str) -> ModelRewardRecord:

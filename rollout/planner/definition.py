@@ -90,6 +90,14 @@ class FunctionRewardRecord(_Reward):
         default=None,
         description="The sidecar's interpreter, as resolved at plan time (None: the worker's own).",
     )
+    on_error: Literal["stop", "fail_sample"] = Field(
+        default="stop",
+        description="rewards[i].on_error: what a sample the sidecar fails on costs (the step, "
+        "or that sample, scored failure_score).",
+    )
+    failure_score: float = Field(
+        default=0.0, description="rewards[i].failure_score (on_error = 'fail_sample')."
+    )
 
 
 class ModelRewardRecord(_Reward):

@@ -2,8 +2,8 @@
 
 Everything here is bounded whatever the run's size, so the page stays a few MB and opens fast:
 series are thinned to `max_points` (rollout.reports.series), samples to `MAX_SAMPLES` from at
-most `MAX_SAMPLE_STEPS` steps spread over the run, each text to `MAX_TEXT` characters. The page
-says where it thinned.
+most `MAX_SAMPLE_STEPS` steps spread over the run, each text to
+rollout.storage.base.MAX_SAMPLE_TEXT characters. The page says where it thinned.
 """
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ from typing import Any
 
 from rollout.redact import redact_text, redact_value
 from rollout.reports.series import Series, bucket_width, thin
-from rollout.storage.base import RunRecord, RunStore, SampleRecord
+from rollout.storage.base import RunRecord, RunStore, SampleRecord, clip_text
 
 MAX_POINTS = 2000
 MAX_SAMPLE_STEPS = 400
 MAX_SAMPLES = 2000
-MAX_TEXT = 4000
 
 # The phases of a step, as the loops time them (rollout/runtime/phases.py): colocated, the actor's
 # generate and score, then shape, learn, sync; split placements, the learner waits to receive the
@@ -140,22 +139,28 @@ def spread(steps: list[int], count: int) -> list[int]:
 def _sample_json(record: SampleRecord) -> dict[str, Any]:
     turns = None
     if record.turns is not None:
-        turns = [
-            {"role": str(t.get("role", "")), "content": _clip(str(t.get("content", "")))}
-            for t in record.turns
-        ]
+        turns = [_turn_json(t) for t in record.turns]
     return {
         "step": record.step,
         "index": record.index,
-        "prompt": _clip(record.prompt),
-        "completion": None if record.completion is None else _clip(record.completion),
+        "prompt": clip_text(record.prompt),
+        "completion": None if record.completion is None else clip_text(record.completion),
         "turns": turns,
         "reward": record.reward if record.reward == record.reward else None,
         "extra": record.extra,
     }
 
 
-def _clip(text: str) -> str:
-    if len(text) <= MAX_TEXT:
-        return text
-    return text[:MAX_TEXT] + f"… [{len(text) - MAX_TEXT} more characters]"
+def _turn_json(turn: dict[str, Any]) -> dict[str, Any]:
+    """A turn's role and text, and its metadata (an agent call's policy version, tokens, ...)
+    as short strings."""
+    meta = {
+        str(key): clip_text(str(value), 100)
+        for key, value in turn.items()
+        if key not in ("role", "content") and value is not None
+    }
+    return {
+        "role": str(turn.get("role", "")),
+        "content": clip_text(str(turn.get("content", ""))),
+        "meta": meta,
+    }

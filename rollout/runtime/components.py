@@ -102,9 +102,17 @@ def build_reward_functions(plan: Plan) -> list[RewardFunction]:
             record.weight,
             _reward_options(record),
             record.timeout_s,
+            **_failure_policy(record),
         )
         for record in plan.rewards
     ]
+
+
+def _failure_policy(record: RewardRecord) -> dict[str, Any]:
+    """on_error and failure_score of a reward function (a reward model always stops)."""
+    if not isinstance(record, FunctionRewardRecord):
+        return {}
+    return {"on_error": record.on_error, "failure_score": record.failure_score}
 
 
 def _reward_options(record: RewardRecord) -> dict[str, Any]:

@@ -346,14 +346,24 @@ class PluginTracker:
         from rollout.plugins.resolve import load_plugin
 
         built = load_plugin(self.identity)(run_id=self.run_id, run_dir=self.run_dir)
-        missing = [name for name in ("log", "close") if not callable(getattr(built, name, None))]
-        if missing:
-            raise TypeError(
-                f"{self.identity.used_by} = {self.name!r} returned a {type(built).__name__}, "
-                f"which has no {' or '.join(f'{name}()' for name in missing)}: a tracker "
-                "plugin returns an object with log(rows) and close()"
-            )
+        problem = not_a_tracker(built)
+        if problem:
+            raise TypeError(f"{self.identity.used_by} = {self.name!r} {problem}: {TRACKER_SHAPE}")
         return built
+
+
+TRACKER_SHAPE = "a tracker plugin returns an object with log(rows) and close()"
+
+
+def not_a_tracker(built: Any) -> str | None:
+    """What a tracker factory's result lacks ("returned a dict, which has no log() or
+    close()"), or None when it has both: one check for a run's trackers and `rollout plugins
+    test`."""
+    missing = [name for name in ("log", "close") if not callable(getattr(built, name, None))]
+    if not missing:
+        return None
+    lacks = " or ".join(f"{name}()" for name in missing)
+    return f"returned a {type(built).__name__}, which has no {lacks}"
 
 
 def build_trackers(plan: Plan) -> list[Tracker]:

@@ -131,6 +131,10 @@ class GenerationRequest:
     alternatives each token lists."""
     include_usage: bool
     """stream_options.include_usage: a last chunk with the usage counts."""
+    sent: list[list[dict[str, str]]]
+    """Per prompt, what the client sent as text: chat, its messages ({"role", "content"},
+    checked); completions, [{"role": "prompt", "content": text}], or [] for token ids. An
+    episode's record keeps it, for the run report (rollout.serve.recording)."""
 
 
 def parse_request(kind: Kind, body: Any, model: ModelInfo) -> GenerationRequest:
@@ -153,9 +157,11 @@ def parse_request(kind: Kind, body: Any, model: ModelInfo) -> GenerationRequest:
     seed = _integer(body, "seed", None, low=SEED_RANGE[0], high=SEED_RANGE[1])
     stop = _stop(body.get("stop"), model.defaults.stop)
     if kind == "chat":
-        prompts = [_chat_prompt(body.get("messages"), model)]
+        messages = _chat_messages(body.get("messages"), model)
+        prompts, sent = [_chat_prompt(messages, model)], [messages]
     else:
-        prompts = _completion_prompts(body.get("prompt"), model)
+        prompts, texts = _completion_prompts(body.get("prompt"), model)
+        sent = [[{"role": "prompt", "content": t}] for t in texts] if texts else [[]] * len(prompts)
     params = SamplingParams(
         max_new_tokens=_max_tokens(kind, body, model, prompts),
         temperature=temperature,
@@ -166,7 +172,7 @@ def parse_request(kind: Kind, body: Any, model: ModelInfo) -> GenerationRequest:
         seed=seed,
         top_logprobs=top_logprobs,
     )
-    return GenerationRequest(kind, prompts, params, stream, logprobs, include_usage)
+    return GenerationRequest(kind, prompts, params, stream, logprobs, include_usage, sent)
 
 
 def per_prompt(request: GenerationRequest, index: int) -> SamplingParams:
@@ -212,9 +218,9 @@ def _include_usage(options: Any) -> bool:
     return _boolean(options, "include_usage", False, where="stream_options.")
 
 
-def _completion_prompts(prompt: Any, model: ModelInfo) -> list[list[int]]:
-    """prompt: a string, a list of strings, a list of token ids, or a list of those lists.
-    Counted and measured before any is tokenized."""
+def _completion_prompts(prompt: Any, model: ModelInfo) -> tuple[list[list[int]], list[str] | None]:
+    """prompt: a string, a list of strings, a list of token ids, or a list of those lists, as
+    token ids, and the texts when given as text. Counted and measured before any is tokenized."""
     if isinstance(prompt, str):
         texts: list[str] | None = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
@@ -245,10 +251,10 @@ def _completion_prompts(prompt: Any, model: ModelInfo) -> list[list[int]]:
             raise ApiError(400, "a prompt has no tokens", param="prompt")
         if any(not 0 <= t < model.vocab_size for t in ids):
             raise ApiError(400, f"token ids must lie in [0, {model.vocab_size})", param="prompt")
-    return prompts
+    return prompts, texts
 
 
-def _chat_prompt(messages: Any, model: ModelInfo) -> list[int]:
+def _chat_messages(messages: Any, model: ModelInfo) -> list[dict[str, str]]:
     if model.chat_encode is None:
         raise ApiError(
             400,
@@ -276,6 +282,11 @@ def _chat_prompt(messages: Any, model: ModelInfo) -> list[int]:
             )
         checked.append({"role": role, "content": _content(message.get("content"), where)})
     _check_text_fits(sum(len(m["content"]) for m in checked), model, "messages")
+    return checked
+
+
+def _chat_prompt(checked: list[dict[str, str]], model: ModelInfo) -> list[int]:
+    assert model.chat_encode is not None  # _chat_messages refused the request otherwise
     try:
         ids = model.chat_encode(checked)
     except Exception as error:  # the template's own complaint, e.g. roles out of order

@@ -3,7 +3,8 @@
 An agent program written against the OpenAI client gets a base URL with its episode in the path,
 `.../episodes/{episode_id}/v1`, and every completion the server serves under that prefix is
 recorded here with the exact tokens the model was conditioned on and sampled, their log-probs and
-the policy version of the weights (engines.base.Completion has them all). The harness drains an
+the policy version of the weights (engines.base.Completion has them all), and as text what the
+client sent and received (for the run report's view of the episode). The harness drains an
 episode when it ends and trains on exactly what the agent saw.
 
 The recorder is bounded: at MAX_COMPLETIONS recorded and not yet drained, the server refuses new
@@ -48,6 +49,11 @@ class RecordedCompletion:
     """float32 log_softmax(logits / T) of each sampled token, as the learner recomputes it."""
     finish_reason: str
     policy_version: int
+    text: str = ""
+    """The reply as the client received it (engines.base.Completion.text)."""
+    sent: tuple[dict[str, str], ...] = ()
+    """What the client sent for this prompt, as text (protocol.GenerationRequest.sent): the
+    whole request, history included; the harness keeps what is new of it."""
 
 
 class CompletionRecorder:
@@ -76,7 +82,12 @@ class CompletionRecorder:
                 )
 
     def record(
-        self, episode_id: str, kind: str, prompt: Sequence[int], completion: Completion
+        self,
+        episode_id: str,
+        kind: str,
+        prompt: Sequence[int],
+        completion: Completion,
+        sent: Sequence[dict[str, str]] = (),
     ) -> None:
         recorded = RecordedCompletion(
             episode_id=episode_id,
@@ -86,6 +97,8 @@ class CompletionRecorder:
             logprobs=list(completion.logprobs),
             finish_reason=completion.finish_reason,
             policy_version=completion.policy_version,
+            text=completion.text,
+            sent=tuple(sent),
         )
         with self._lock:
             self._episodes[episode_id].append(recorded)

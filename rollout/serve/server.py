@@ -89,8 +89,8 @@ log = logging.getLogger("rollout.serve")
 IDLE_TIMEOUT_S = 60.0
 BACKLOG = 2048
 """The listen backlog: a burst of hundreds of agents connecting at once is queued, not reset."""
-Record = Callable[[list[int], Completion], None]
-"""Records one finished completion of a prompt (a no-op outside an episode)."""
+Record = Callable[[int, Completion], None]
+"""Records one finished completion of the request's prompt number i (a no-op outside an episode)."""
 STANDARD_METHODS = frozenset(
     {"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT"}
 )
@@ -409,12 +409,14 @@ class OpenAIServer:
         """What records a finished completion of prompt i: the recorder's, for an episode."""
         recorder = self.recorder
         if episode is None or recorder is None:
-            return lambda prompt, completion: None
+            return lambda number, completion: None
         try:
             recorder.check_room()
         except RecorderFull as error:
             raise ApiError(503, str(error), type="server_error", code="unavailable") from None
-        return lambda prompt, completion: recorder.record(episode, request.kind, prompt, completion)
+        return lambda number, completion: recorder.record(
+            episode, request.kind, request.prompts[number], completion, request.sent[number]
+        )
 
     def _submit(
         self, request: GenerationRequest, notify: Callable[[], None], episode: str | None = None
@@ -455,9 +457,9 @@ class OpenAIServer:
         finally:
             gone.cancel()
         results = [handle.result() for handle in handles]
-        for prompt, completions in zip(request.prompts, results, strict=True):
+        for number, completions in enumerate(results):
             for completion in completions:
-                record(prompt, completion)
+                record(number, completion)
                 self.metrics.tokens.inc(len(completion.token_ids))
         kind, model = request.kind, self.model
         body = envelope(kind, response_id(kind), model.info.name, chunk=False)
@@ -528,7 +530,7 @@ class OpenAIServer:
                 if event.completion is not None:
                     completion = event.completion
                     completions.append(completion)
-                    record(request.prompts[number], completion)
+                    record(number, completion)
                     self.metrics.tokens.inc(len(completion.token_ids))
                     choice["finish_reason"] = OPENAI_FINISH[completion.finish_reason]
                     choice["rollout"] = rollout_fields(request.prompts[number], completion)

@@ -80,6 +80,18 @@ class CheckpointRecord:
     time: float
 
 
+MAX_SAMPLE_TEXT = 4000
+"""Characters of one sample text (a prompt, a completion, a turn) a run report shows, and an
+agent episode's turns keep when recorded (its calls' texts would otherwise grow without bound)."""
+
+
+def clip_text(text: str, limit: int = MAX_SAMPLE_TEXT) -> str:
+    """`text` cut to `limit` characters, saying how much was cut."""
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f"… [{len(text) - limit} more characters]"
+
+
 @dataclass(frozen=True)
 class SampleRecord:
     """One sample completion recorded at a training step (logging.samples_per_step)."""
@@ -90,9 +102,12 @@ class SampleRecord:
     """Its place among the step's recorded samples (0, 1, ...)."""
     prompt: str
     completion: str | None
-    """The completion's text; None for a multi-turn episode (see `turns`)."""
-    turns: list[dict[str, str]] | None
-    """A multi-turn episode's messages after the prompt, [{"role", "content"}, ...]."""
+    """The completion's text; None for an environment episode (see `turns`); an agent
+    episode's final answer."""
+    turns: list[dict[str, Any]] | None
+    """A multi-turn episode's messages after the prompt, [{"role", "content"}, ...]; an agent
+    episode's assistant turns also say which call they answered ("call", from 1), its
+    "policy_version", "tokens" and "finish_reason"."""
     reward: float
     """Its total reward (an episode's return); NaN if none."""
     extra: dict[str, Any]

@@ -779,6 +779,11 @@ SECTION_CASES: dict[str, list[Case]] = {
         run_shows("grpo", {"run.eval_interval": 1}, steps_of("eval/")),
         run_shows("dpo", {"run.eval_interval": 1}, steps_of("eval/")),
     ],
+    "run.eval_samples": [
+        run_shows("grpo", {"run.eval_samples": 3}, metric("eval/reward")),
+        refused("grpo", {"run.eval_samples": 3, "generation.temperature": 0}),
+        refused("dpo", {"run.eval_samples": 3}),
+    ],
     "eval.suites[].name": [
         run_shows("grpo", {"eval.suites[0].name": "other"}, names_of("eval/"), base=SUITE)
     ],
@@ -1136,6 +1141,27 @@ SECTION_CASES: dict[str, list[Case]] = {
             "grpo",
             {"rewards[0].python": sys.executable, "rewards[0].isolation": "sidecar"},
             lambda plan: plan.rewards[0].python,
+        ),
+    ],
+    # Which samples fail and what they score is tests/unit/test_sidecar_isolation.py's.
+    "rewards[].on_error": [
+        refused("grpo", {"rewards[0].on_error": "fail_sample"}),
+        plan_shows(
+            "grpo",
+            {"rewards[0].on_error": "fail_sample", "rewards[0].isolation": "sidecar"},
+            lambda plan: plan.rewards[0].on_error,
+        ),
+    ],
+    "rewards[].failure_score": [
+        refused("grpo", {"rewards[0].failure_score": -1.0}),
+        plan_shows(
+            "grpo",
+            {
+                "rewards[0].failure_score": -1.0,
+                "rewards[0].on_error": "fail_sample",
+                "rewards[0].isolation": "sidecar",
+            },
+            lambda plan: plan.rewards[0].failure_score,
         ),
     ],
     "rewards[].timeout_s": [

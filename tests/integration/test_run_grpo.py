@@ -168,12 +168,15 @@ def test_two_data_parallel_ranks_train_and_checkpoint_both(workdir):
         "data.eval.limit=3",
         "--set",
         "run.eval_interval=null",
+        "--set",
+        "run.eval_samples=3",
     )
     assert result.returncode == 0, result.stdout + result.stderr
     store, record = only_run(workdir)
     assert record.status == "finished"
-    # Eval prompts 0 and 2 on rank 0 (rewards 1 and 0), prompt 1 on rank 1 (reward 0): 1 of 3,
-    # where the mean of the ranks' means would be (1/2 + 0) / 2.
+    # Eval prompts 0 and 2 on rank 0 (rewards 1 and 0), prompt 1 on rank 1 (reward 0), each
+    # sampled 3 times: 3 of 9, where the mean of the ranks' means would be (1/2 + 0) / 2 (and
+    # counting rows, not samples, 3 of 3).
     for name in ("eval/reward", "eval/marked"):
         evals = sorted(store.metrics(record.run_id, [name]), key=lambda m: m.step)
         assert [m.step for m in evals] == [0, 2]

@@ -22,6 +22,17 @@ def length(prompts, completions, **_):
     return [len(c) / 100 for c in completions]
 """
 
+CRASHY_REWARD = """
+import os
+import signal
+
+
+def crashy(prompts, completions, **_):
+    if any(len(c) % 3 == 0 for c in completions):
+        os.kill(os.getpid(), signal.SIGSEGV)  # the completions the model happens to write
+    return [len(c) / 100 for c in completions]
+"""
+
 
 SEVENS_GAME = """
 from rollout.harness.environments.base import StepResult
@@ -43,6 +54,7 @@ def _run(tmp_path: Path, name: str, *settings: str) -> dict[str, dict[int, float
     workdir.mkdir()
     shutil.copytree(EXAMPLES, workdir / "examples")
     (workdir / "examples" / "varied.py").write_text(VARIED_REWARD)
+    (workdir / "examples" / "crashy.py").write_text(CRASHY_REWARD)
     (workdir / "examples" / "games.py").write_text(SEVENS_GAME)
     args = ["plan", "--config", "examples/grpo-tiny.toml", "-o", "plan.lock"]
     for setting in (
@@ -75,6 +87,20 @@ def test_a_sidecar_reward_scores_a_run_as_the_function_does_in_process(tmp_path)
         assert plan.rewards[0].isolation == isolation
     assert len(runs["in_process"]["reward/length"]) == STEPS
     assert runs["sidecar"] == runs["in_process"]
+    assert processes_mentioning("rollout.plugins.sidecar.server") == []
+
+
+def test_a_reward_that_crashes_on_some_samples_fails_only_those_and_the_run_goes_on(tmp_path):
+    """on_error = "fail_sample": each batch is bisected to the completions the sidecar crashes
+    on; they score failure_score and are counted, the run finishes."""
+    reward = (
+        "{ fn = './crashy.py:crashy', isolation = 'sidecar', timeout_s = 5, "
+        "on_error = 'fail_sample', failure_score = -1.0 }"
+    )
+    metrics = _run(tmp_path, "crashy", f"rewards=[{reward}]")
+    failed = metrics["reward/crashy/failed"]
+    assert sorted(failed) == list(range(1, STEPS + 1)) and sum(failed.values()) > 0
+    assert all(value >= -1.0 for value in metrics["reward/crashy"].values())
     assert processes_mentioning("rollout.plugins.sidecar.server") == []
 
 

@@ -97,10 +97,14 @@ def test_an_agent_on_an_episode_url_gets_answers_and_every_completion_is_recorde
     assert len(first.token_ids) == len(first.logprobs) == chat.usage.completion_tokens
     assert first.policy_version == 0
     assert first.finish_reason == choice.model_extra["rollout"]["finish_reason"]
+    # As text too, for the run report: what the agent sent and the reply it read.
+    assert first.sent == ({"role": "user", "content": "Hi"},)
+    assert first.text == choice.message.content
 
     # The stream: the text the agent read, token by token, and the extension's last chunk.
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert tiny.tokenizer.decode(recorded[1].token_ids, skip_special_tokens=True) == streamed
+    assert recorded[1].text == streamed
     extension = [
         c.choices[0].model_extra["rollout"]
         for c in chunks
@@ -116,6 +120,8 @@ def test_an_agent_on_an_episode_url_gets_answers_and_every_completion_is_recorde
     )
     assert sorted((r.token_ids, r.logprobs) for r in recorded[2:]) == served
     assert recorded[2].prompt_token_ids == tiny.tokenizer.encode("Go")
+    assert recorded[2].sent == recorded[3].sent == ({"role": "prompt", "content": "Go"},)
+    assert sorted(r.text for r in recorded[2:]) == sorted(c.text for c in completions.choices)
 
     assert [len(recorder.drain("episode-2")), recorder.drain("episode-1")] == [1, []]
     assert len(recorder) == 0 and recorder.episodes() == []

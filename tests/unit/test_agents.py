@@ -5,6 +5,7 @@ learner's log-probs of them match the ones served."""
 from __future__ import annotations
 
 import copy
+import json
 import sys
 import textwrap
 import time
@@ -22,10 +23,18 @@ from rollout.harness.reward_contract import describe
 from rollout.harness.reward_runner import RewardRunner
 from rollout.models.loading import apply_chat_template
 from rollout.runtime.online.actor import PromptFormat
-from rollout.runtime.online.agents import AgentActor, AgentFailure, AgentSettings, assemble
+from rollout.runtime.online.agents import (
+    SENT_MESSAGES,
+    AgentActor,
+    AgentFailure,
+    AgentSettings,
+    assemble,
+    episode_turns,
+)
 from rollout.runtime.online.batches import pad_for_learner
 from rollout.runtime.online.learner import Learner
 from rollout.serve.recording import RecordedCompletion
+from rollout.storage.base import MAX_SAMPLE_TEXT
 from tests.unit.conftest import learner_knobs
 
 # --- assembling episodes ------------------------------------------------------------------------
@@ -51,6 +60,64 @@ def test_a_call_that_rewrote_the_history_starts_a_row_of_its_own():
     rows = assemble([first, rewritten])
     assert [r.prompt for r in rows] == [[1, 2, 3], [1, 2, 3, 10, 99, 7]]
     assert rows[1].mask == [1] and rows[0].policy_version == 0
+
+
+# --- an episode's calls as a sample's turns -----------------------------------------------------
+
+
+def chat(messages, reply, tokens=(5, 6), version=0) -> RecordedCompletion:
+    sent = tuple({"role": role, "content": content} for role, content in messages)
+    return RecordedCompletion(
+        "e", "chat", [1], list(tokens), [-0.5] * len(tokens), "stop", version, reply, sent
+    )
+
+
+def test_each_call_is_what_it_sent_that_was_new_then_its_reply_with_its_facts():
+    first = chat([("system", "be brief"), ("user", "2+2?")], "four", version=3)
+    second = chat(
+        [("system", "be brief"), ("user", "2+2?"), ("assistant", "four"), ("tool", "ok: 4")],
+        "4",
+        tokens=(9,),
+        version=4,
+    )
+    turns = episode_turns([first, second], max_calls=2, decode=str)
+    assert [(t["role"], t["content"]) for t in turns] == [
+        ("system", "be brief"),
+        ("user", "2+2?"),
+        ("assistant", "four"),
+        ("tool", "ok: 4"),  # the history before the last reply is not repeated
+        ("assistant", "4"),
+    ]
+    assert turns[4] == {
+        "role": "assistant",
+        "content": "4",
+        "call": 2,
+        "policy_version": 4,
+        "tokens": 1,
+        "finish_reason": "stop",
+    }
+
+
+def test_a_completions_call_shows_the_prompt_tokens_past_the_previous_call_as_text():
+    def completion(prompt, tokens):
+        return RecordedCompletion("e", "completion", prompt, tokens, [0.0] * len(tokens), "eos", 0)
+
+    calls = [completion([1, 2], [3]), completion([1, 2, 3, 4, 5], [6]), completion([7], [8])]
+    turns = episode_turns(calls, max_calls=3, decode=lambda ids: " ".join(map(str, ids)))
+    prompts = [t["content"] for t in turns if t["role"] == "prompt"]
+    assert prompts == ["1 2", "4 5", "7"]  # the third rewrote its history: all of it is news
+
+
+def test_long_texts_many_messages_and_calls_over_the_limit_are_cut():
+    flood = [("user", f"message {i}") for i in range(SENT_MESSAGES + 3)]
+    calls = [chat(flood, "x" * (MAX_SAMPLE_TEXT + 10))] + [chat([("user", "again")], "y")] * 4
+    turns = episode_turns(calls, max_calls=2, decode=str)
+    assert turns[0] == {"role": "note", "content": "[3 earlier messages of this request cut]"}
+    assert [t["content"] for t in turns[1 : 1 + SENT_MESSAGES]][-1] == f"message {len(flood) - 1}"
+    reply = turns[1 + SENT_MESSAGES]["content"]
+    assert reply.startswith("x" * MAX_SAMPLE_TEXT) and reply.endswith("[10 more characters]")
+    assert sum(t["role"] == "assistant" for t in turns) == 2
+    assert turns[-1] == {"role": "note", "content": "[3 more calls cut]"}
 
 
 # --- the program runner -------------------------------------------------------------------------
@@ -219,6 +286,39 @@ def test_agent_episodes_train_on_exactly_the_tokens_they_were_served(tiny_llama,
     torch.testing.assert_close(recomputed[mask], padded.old_logprobs[mask], atol=2e-4, rtol=0)
     # Scored on the final answers: rewards are the answers' lengths / 10.
     assert batch.rewards.tolist() == pytest.approx([len(t) / 10 for t in batch.texts])
+
+
+RECEIVING_AGENT = """
+import json, os
+from openai import OpenAI
+
+client = OpenAI()
+task = json.loads(os.environ["ROLLOUT_TASK"])
+messages, received = [{"role": "user", "content": task["prompt"]}], []
+for note in ("check with the abacus", "final answer?"):
+    reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+    received.append(reply.choices[0].message.content)
+    messages += [{"role": "assistant", "content": received[-1]}, {"role": "user", "content": note}]
+with open(os.environ["ROLLOUT_EPISODE_ID"] + ".json", "w") as out:
+    json.dump(received, out)
+print("answer: " + str(len(received)))
+"""
+
+
+def test_an_episodes_sample_holds_every_call_as_the_agent_saw_it(actor, tmp_path):
+    (tmp_path / "agent.py").write_text(RECEIVING_AGENT)
+    rollout = actor.rollout([{"prompt": "What is 2 + 2?"}], seed=0)
+    assert len(rollout.samples) == 2
+    for sample in rollout.samples:
+        episode = sample.extra["episode_id"]
+        received = json.loads((tmp_path / f"{episode}.json").read_text())
+        replies = [t for t in sample.turns if t["role"] == "assistant"]
+        assert [t["content"] for t in replies] == received
+        assert [t["call"] for t in replies] == [1, 2] == list(range(1, sample.extra["calls"] + 1))
+        assert all(t["policy_version"] == 0 and 0 < t["tokens"] <= 4 for t in replies)
+        sent = [t["content"] for t in sample.turns if t["role"] == "user"]
+        assert sent == ["What is 2 + 2?", "check with the abacus"]
+        assert sample.completion == "answer: 2" and sample.extra["failure"] is None
 
 
 def test_a_failing_agent_scores_failed_or_stops(actor, tmp_path):

@@ -251,6 +251,27 @@ def test_warmup_must_end_and_eval_needs_data(base_config):
     assert "no evaluation set" in issues["run.eval_interval"].message
 
 
+def test_eval_samples_need_a_held_out_set_an_online_run_and_a_temperature(base_config):
+    assert (
+        "no held-out set"
+        in issues_of(with_changes(base_config, run={"eval_samples": 4}))["run.eval_samples"].message
+    )
+    held_out = {"eval": {"path": "eval.jsonl"}}
+    greedy = with_changes(
+        base_config, run={"eval_samples": 4}, data=held_out, generation={"temperature": 0}
+    )
+    assert "would all be the same" in issues_of(greedy)["run.eval_samples"].message
+    offline = with_changes(
+        base_config,
+        run={"eval_samples": 4},
+        data={**held_out, "fields": {"prompt": "prompt", "completion": "answer"}},
+        algorithm={"kind": "sft", "rollout_batch_size": 8, "num_generations": 1},
+    )
+    assert "not sampled completions" in issues_of(offline)["run.eval_samples"].message
+    config = validate_config(with_changes(base_config, run={"eval_samples": 4}, data=held_out))
+    assert config.run.eval_samples == 4
+
+
 def test_run_name_may_not_hold_path_characters(base_config):
     raw = with_changes(base_config, run={"name": "../escape"})
     assert "run.name" in issues_of(raw)

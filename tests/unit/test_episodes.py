@@ -252,3 +252,23 @@ def test_evaluation_plays_one_greedy_episode_per_row_and_repeats(tiny_llama, eng
 
         episode_actor(tiny_llama, engine, Records(), max_turns=2).evaluate(ROWS, seed=0)
     assert tokens[:2] == tokens[2:]
+
+
+def test_sampled_evaluation_plays_each_row_eval_samples_times_as_training_samples(
+    tiny_llama, engine
+):
+    actions: list[list[str]] = []
+
+    class Records(Tally):
+        def step(self, episodes, actions_now):
+            actions.append(list(actions_now))
+            return [StepResult("x", reward=0.25, done=True) for _ in episodes]
+
+    actor = episode_actor(tiny_llama, engine, Records(), max_turns=1)
+    sums, count = actor.evaluate(ROWS, seed=3, samples=3)
+    assert count == 6  # three episodes per row: the mean is over episodes
+    assert sums["eval/reward"] == pytest.approx(6 * 0.25)
+    first_row = actions[0][:3]
+    assert len(set(first_row)) > 1  # sampled at the run's temperature, not greedy
+    actor.evaluate(ROWS, seed=3, samples=3)
+    assert actions[1] == actions[0]  # the same seed draws the same episodes each evaluation

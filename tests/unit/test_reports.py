@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 import time
 from pathlib import Path
 
@@ -22,16 +21,6 @@ from rollout.storage import open_store
 from rollout.storage.base import MetricRecord, SampleRecord
 
 runner = CliRunner()
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 SECRET = "hunter2-not-for-reports"
 
 
@@ -114,6 +103,27 @@ def record_run(
             store.set_status(run_id, status, error=error)
 
 
+def add_agent_episode(location: str, run_id: str) -> None:
+    """An agent episode's sample as the agent actor records it: each call's new messages and
+    its reply with the call's facts, and the program's final answer as the completion."""
+
+    def reply(call: int, text: str) -> dict:
+        facts = {"call": call, "policy_version": 3, "tokens": 4, "finish_reason": "stop"}
+        return {"role": "assistant", "content": text, **facts}
+
+    turns = [
+        {"role": "user", "content": "2 + 2?"},
+        reply(1, "maybe 5"),
+        {"role": "tool", "content": "the abacus says 4"},
+        reply(2, "then 4"),
+        {"role": "user", "content": "final answer?"},
+        reply(3, "4"),
+    ]
+    extra = {"episode_id": "episode-7", "calls": 3, "failure": None}
+    with open_store(location) as store:
+        store.add_samples([SampleRecord(run_id, 3, 98, "2 + 2?", "4", turns, 1.0, extra, 0.0)])
+
+
 @pytest.fixture
 def location(tmp_path):
     return f"sqlite:{tmp_path / 'runs' / 'rollout.db'}"
@@ -190,6 +200,20 @@ def test_report_holds_the_run_and_redacts_its_plan(location, tmp_path):
     assert episode["completion"] is None and len(episode["turns"]) == 3
 
 
+def test_an_agent_episodes_calls_carry_their_facts_and_its_final_answer(location, tmp_path):
+    record_run(location, "r1", tmp_path, steps=3, samples_per_step=0)
+    add_agent_episode(location, "r1")
+    data = page_data(make_report(location, "r1", tmp_path / "out"))
+    (episode,) = [r for r in data["samples"]["rows"] if r["index"] == 98]
+    assert episode["completion"] == "4" and len(episode["turns"]) == 6
+    assert episode["turns"][3] == {
+        "role": "assistant",
+        "content": "then 4",
+        "meta": {"call": "2", "policy_version": "3", "tokens": "4", "finish_reason": "stop"},
+    }
+    assert episode["turns"][2] == {"role": "tool", "content": "the abacus says 4", "meta": {}}
+
+
 def test_report_of_a_run_with_no_metrics_and_a_missing_plan(location, tmp_path):
     with open_store(location) as store:
         store.create_run(
@@ -257,17 +281,6 @@ def test_runs_compare_side_by_side(location, tmp_path):
 # --- the page in headless Chromium
 
 
-@pytest.fixture(scope="module")
-def browser():
-    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install 'rollout[test]'")
-    if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
-        pytest.skip("no chromium: apt-get install chromium")
-    with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield browser
-        browser.close()
-
-
 class Opened:
     def __init__(self, browser, path: Path):
         self.page = browser.new_page(viewport={"width": 1280, "height": 900})
@@ -326,6 +339,25 @@ def test_the_viewer_filters_by_text_and_step(browser, location, tmp_path):
     page.fill("#step-to", "12")
     assert opened.visible_samples() == 12
     assert opened.errors == []  # the episode's "</script>" stayed text
+    page.close()
+
+
+def test_the_viewer_shows_an_agent_episodes_calls_and_finds_a_middle_one(
+    browser, location, tmp_path
+):
+    record_run(location, "r1", tmp_path)
+    add_agent_episode(location, "r1")
+    opened = Opened(browser, make_report(location, "r1", tmp_path / "out"))
+    page = opened.page
+    page.fill("#search", "ABACUS")  # the tool's answer between the first and second calls
+    assert opened.visible_samples() == 1
+    turns = page.locator("tr.sample:visible .turn")
+    assert turns.count() == 7  # six turns, then the final answer
+    assert turns.nth(3).text_content() == (
+        "assistant (call 2, policy version 3, tokens 4, finish reason stop): then 4"
+    )
+    assert turns.nth(6).text_content() == "final answer: 4"
+    assert opened.errors == []
     page.close()
 
 

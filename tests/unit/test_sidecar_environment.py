@@ -39,6 +39,9 @@ class Counter:
         self.turns = {}
 
     def reset(self, rows, *, seed):
+        if any(row["prompt"] == "HANG" for row in rows):
+            while True:
+                pass
         if (HERE / "crash-reset").exists():
             (HERE / "crash-reset").unlink()
             os._exit(9)
@@ -78,7 +81,7 @@ def games(tmp_path: Path) -> Path:
 def runner(games):
     made = []
 
-    def make(on_error: str = "stop") -> EnvironmentRunner:
+    def make(on_error: str = "stop", timeout_s: float = 2.0) -> EnvironmentRunner:
         ref = "./games.py:Counter"
         identity = resolve_plugin(
             ref,
@@ -90,8 +93,8 @@ def runner(games):
         host = SidecarHost(
             server_argv(None, ref, identity.model_dump_json(), build={"scale": 4}), name="counter"
         )
-        made.append(SidecarEnvironment(host, timeout_s=2.0))
-        return EnvironmentRunner(made[-1], name="counter", timeout_s=2.0, on_error=on_error)
+        made.append(SidecarEnvironment(host, timeout_s=timeout_s))
+        return EnvironmentRunner(made[-1], name="counter", timeout_s=timeout_s, on_error=on_error)
 
     yield make
     for environment in made:
@@ -138,6 +141,18 @@ def test_with_on_error_stop_a_hung_step_stops_naming_the_environment(runner, gam
         env.step([0, 1], ["a", "b"])
     assert "environment 'counter': step failed" in str(caught.value)
     assert "episodes 0, 1" in str(caught.value)
+
+
+def test_a_reset_that_hangs_stops_naming_the_row_it_hangs_on_alone(runner):
+    env = runner(timeout_s=0.5)
+    rows = [{"prompt": "a"}, {"prompt": "b"}, {"prompt": "HANG", "id": 17}, {"prompt": "d"}]
+    with pytest.raises(EnvironmentFault) as caught:
+        env.reset(rows, seed=0)
+    message = str(caught.value)
+    assert caught.value.episode == 2
+    assert "failed on a reset of 4 episodes, and on row 2 (row id 17) alone" in message
+    assert "no answer within 0.5 s (killed)" in message
+    assert env.reset(ROWS, seed=1) == ["a (seed 1)", "b (seed 1)"]  # the next reset starts afresh
 
 
 def sidecar_config(base: dict[str, Any], **environment: Any) -> dict[str, Any]:

@@ -157,7 +157,9 @@ def test_through_the_runner_a_hung_sidecar_is_a_reward_error_naming_the_reward(s
     with pytest.raises(RewardError) as caught:
         runner.score(PROMPTS, COMPLETIONS, [{}] * 3)
     assert caught.value.reward == "regex"
-    assert str(caught.value).startswith("reward 'regex': ")
+    # Every sample hangs: bisection names the first (tests/unit/test_sidecar_isolation.py).
+    assert caught.value.sample == 0
+    assert str(caught.value).startswith("reward 'regex' failed on sample 0 of 3 (prompt 'p0'): ")
 
 
 def test_a_segfault_is_restarted_and_the_batch_resubmitted_until_it_fails_twice(sidecar):

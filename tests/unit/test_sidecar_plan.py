@@ -54,6 +54,31 @@ def test_a_reward_model_cannot_run_in_a_sidecar(base_config):
     assert "rewards[0].isolation" in issues_of(caught.value)
 
 
+def test_fail_sample_without_a_sidecar_and_a_failure_score_without_it_are_refused(base_config):
+    raw = copy.deepcopy(base_config)
+    raw["rewards"][0].update(on_error="fail_sample")
+    raw["rewards"].append({"fn": "numeric_match", "failure_score": -1.0})
+    with pytest.raises(ConfigError) as caught:
+        validate_config(raw)
+    issues = issues_of(caught.value)
+    assert 'set rewards[0].isolation = "sidecar"' in issues["rewards[0].on_error"]
+    assert 'set rewards[1].on_error = "fail_sample"' in issues["rewards[1].failure_score"]
+
+
+def test_the_failure_policy_travels_from_the_config_to_the_workers_function(
+    config_file, sidecar_config, tmp_path
+):
+    sidecar_config["rewards"][0].update(on_error="fail_sample", failure_score=-0.5)
+    write_plan(build_plan(config_file(sidecar_config)), tmp_path / "plan.lock")
+    plan = read_plan(tmp_path / "plan.lock")
+    assert (plan.rewards[0].on_error, plan.rewards[0].failure_score) == ("fail_sample", -0.5)
+    [function] = build_reward_functions(plan)
+    try:
+        assert (function.on_error, function.failure_score) == ("fail_sample", -0.5)
+    finally:
+        function.fn.close()
+
+
 def test_the_plan_records_the_sidecar_and_the_worker_calls_it(
     config_file, sidecar_config, tmp_path
 ):

@@ -62,8 +62,16 @@ def made_run(tmp_path, config_file, base_config, rollout_cache):
             SampleRecord(RUN, s, 0, "p", "c", None, math.nan, {"f": math.inf}, time.time())
             for s in (1, 2, 3)
         )
+        store.add_samples([SampleRecord(RUN, 2, 1, "p", "answer", AGENT_TURNS, 1.0, {}, 0.0)])
         store.add_logs([(RUN, time.time(), "info", 0, "actor+learner", "step 3 done")])
     return plan
+
+
+AGENT_TURNS = [
+    {"role": "user", "content": "p"},
+    {"role": "assistant", "content": "4", "call": 1, "policy_version": 2, "tokens": 3},
+]
+"""An agent episode's calls: turns whose metadata are numbers."""
 
 
 def invoke(*args: str):
@@ -97,7 +105,9 @@ def test_a_snapshot_holds_the_plan_checkpoint_and_records_up_to_its_step(made_ru
     assert [(row["step"], row["reward"], row["extra"]) for row in samples] == [
         (1, None, {"f": None}),
         (2, None, {"f": None}),
+        (2, 1.0, {}),
     ]
+    assert samples[2]["turns"] == AGENT_TURNS
     assert json.loads((records / "run.json").read_text())["run_id"] == RUN
 
 
@@ -124,7 +134,8 @@ def test_a_restored_run_is_in_the_new_store_with_its_checkpoint_and_a_plan_run_a
         assert [m.step for m in store.metrics("t-new")] == [1, 2]
         assert [line.message for line in store.logs("t-new")] == ["step 2 done"]
         samples = store.samples("t-new")
-        assert [x.step for x in samples] == [1, 2] and math.isnan(samples[0].reward)
+        assert [x.step for x in samples] == [1, 2, 2] and math.isnan(samples[0].reward)
+        assert samples[2].turns == AGENT_TURNS and samples[2].completion == "answer"
         (checkpoint,) = store.checkpoints("t-new")
         assert checkpoint.location == str(tmp_path / "elsewhere" / "t-new" / "step-000002")
 
@@ -346,7 +357,8 @@ def test_a_snapshot_in_an_object_store_restores_like_a_local_one(made_run, tmp_p
         assert [m.step for m in store.metrics("t-new")] == [1, 2]
         assert [line.message for line in store.logs("t-new")] == ["step 2 done"]
         samples = store.samples("t-new")
-        assert [x.step for x in samples] == [1, 2] and math.isnan(samples[0].reward)
+        assert [x.step for x in samples] == [1, 2, 2] and math.isnan(samples[0].reward)
+        assert samples[2].turns == AGENT_TURNS and samples[2].completion == "answer"
         (checkpoint,) = store.checkpoints("t-new")
         assert checkpoint.location == str(restored)
 

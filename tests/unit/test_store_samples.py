@@ -49,13 +49,15 @@ def test_samples_read_back_as_written(store):
         sample(1, 0),
         sample(1, 1, reward=math.nan, extra={"finish": "length", "nested": [1, 2]}),
         sample(2, 0, completion=None, turns=turns, reward=-0.5),
+        sample(2, 1, completion="final", turns=[{**turns[0], "call": 1, "tokens": 3}]),
     ]
     store.add_samples(written)
     read = store.samples("r1")
-    assert [(s.step, s.index) for s in read] == [(1, 0), (1, 1), (2, 0)]
+    assert [(s.step, s.index) for s in read] == [(1, 0), (1, 1), (2, 0), (2, 1)]
     assert read[0] == written[0]
     assert math.isnan(read[1].reward) and read[1].extra == {"finish": "length", "nested": [1, 2]}
     assert read[2].turns == turns and read[2].completion is None and read[2].reward == -0.5
+    assert read[3] == written[3]  # an agent episode: its answer, and turns with numbers in them
 
 
 def test_a_redone_step_replaces_its_samples(store):

@@ -242,3 +242,30 @@ def test_slow_tool_calls_run_side_by_side_and_never_overrun_the_step():
         assert "stopped: timeout" in first
         assert all("no time left in this turn for python" in text for text in rest)
     env.close()
+
+
+def test_the_warm_up_demonstrations_open_as_the_environment_does():
+    """examples/make_tool_demos.py must render the first message the run gives the model, or
+    the warm-up teaches a prompt the run never shows (docs/tools.md)."""
+    import importlib.util
+    import json
+
+    from tests.conftest import EXAMPLES
+
+    spec = importlib.util.spec_from_file_location("demos", EXAMPLES / "make_tool_demos.py")
+    assert spec is not None and spec.loader is not None
+    demos = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demos)
+    row = json.loads((EXAMPLES / "data" / "products-train.jsonl").read_text().splitlines()[0])
+    messages = demos.demonstration(
+        Toolbox([BUILTIN_TOOLS["calculator"]()]).instructions("hermes"), row
+    )["messages"]
+    env = environment()
+    try:
+        assert messages[0]["content"] == env.reset([row], seed=0)[0]
+        (result,) = env.step([0], [messages[1]["content"]])
+        assert result.observation == messages[2]["content"] == row["answer"]  # the call works
+        (final,) = env.step([0], [messages[3]["content"]])
+        assert final.done and final.reward == 1.0
+    finally:
+        env.close()

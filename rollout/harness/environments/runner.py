@@ -115,7 +115,9 @@ class EnvironmentRunner:
             try:
                 return fn()
             except Exception as error:
-                raise self._fault(f"{what} failed: {error}") from error
+                # A reset's bisection names the row it fails on alone (its `sample`).
+                episode = getattr(error, "sample", None)
+                raise self._fault(f"{what} failed: {error}", episode) from error
         try:
             return call_with_deadline(fn, self.timeout_s, name=f"environment-{self.name}")
         except Overran:

@@ -6,6 +6,9 @@ GIL held, or a native hang, ignores anything gentler), a fresh child is started,
 call (same id) is sent once more. A crash (segfault, os._exit, a kill from outside) is handled
 the same way. A second failure of the same call is one SidecarError naming the plugin and the
 batch. What the plugin raises is not retried: it answered, and would answer the same again.
+Which *sample* of the batch is to blame is the caller's question (it knows which arguments are
+per sample): the reward runner bisects the batch with SidecarCallable.once (rollout.harness.
+isolate), each half under an id of its own.
 
 No child outlives its host: the child asks the kernel for SIGKILL when the host dies
 (PR_SET_PDEATHSIG, set between fork and exec, so a sidecar in any language gets it), the host
@@ -209,7 +212,7 @@ class SidecarHost:
                     self.restarts += 1
                 self.start()
             try:
-                return self._exchange(message, frame, timeout_s)
+                return self._exchange(message, frame, timeout_s, what)
             except _Lost as lost:
                 failures.append(str(lost))
                 self._kill()
@@ -237,7 +240,9 @@ class SidecarHost:
                     f"sidecar for {self.name!r} failed a health check: {lost}"
                 ) from None
 
-    def _exchange(self, message: Call | Ping, frame: bytes, timeout_s: float) -> Any:
+    def _exchange(
+        self, message: Call | Ping, frame: bytes, timeout_s: float, what: str = "a ping"
+    ) -> Any:
         process = self._process
         assert process is not None and process.stdin is not None
         try:
@@ -259,7 +264,7 @@ class SidecarHost:
             raise _Lost(f"answered call {message.id} with {_short(value)}")
         if isinstance(answer, Error):
             raise SidecarPluginError(
-                f"sidecar plugin {self.name!r} raised {answer.kind}: {answer.message}",
+                f"sidecar plugin {self.name!r} raised {answer.kind}: {answer.message} (on {what})",
                 kind=answer.kind,
             )
         if isinstance(message, Ping) != isinstance(answer, Pong):
@@ -397,6 +402,12 @@ class SidecarCallable:
         batch = len(args[1]) if len(args) > 1 and isinstance(args[1], list) else None
         what = f"a batch of {batch} samples" if batch is not None else "a call"
         return self.host.call(args, kwargs, timeout_s=self.timeout_s, what=what)
+
+    def once(self, args: Sequence[Any], kwargs: dict[str, Any], *, what: str) -> Any:
+        """One attempt, not resubmitted after a hang or crash: a sub-batch of a bisection
+        (rollout.harness.isolate), sent after the whole batch already failed twice. A dead
+        child is restarted first."""
+        return self.host.call(args, kwargs, timeout_s=self.timeout_s, what=what, retry=False)
 
     def close(self) -> None:
         self.host.close()

@@ -16,6 +16,8 @@ The exchange (version PROTOCOL_VERSION):
 
 Calls are answered in order, one at a time. An id is the host's: it resubmits a call under the
 same id after restarting a crashed or hung child, so a plugin may treat calls as idempotent by id.
+A part of a batch asked again to find the sample it fails on (rollout.harness.isolate) is a new
+call with an id of its own.
 schemas/sidecar-protocol.schema.json is generated from these models (`rollout schema`), so a
 sidecar can be written in any language against it alone.
 """

@@ -97,6 +97,10 @@ class Actor:
             texts=texts,
         )
         metrics = _rollout_metrics(completions, rewards, scores.per_function, generate_s)
+        for function in self.rewards.functions:  # on_error = "fail_sample": how many it failed
+            if function.on_error == "fail_sample":
+                failed = scores.failed.get(function.name, {})
+                metrics[f"reward/{function.name}/failed"] = float(len(failed))
         # Rewards and advantages are host work: the host clock is right for them.
         metrics["perf/score_s"] = time.perf_counter() - scoring_started
         samples = [
@@ -109,6 +113,7 @@ class Actor:
                     "finish_reason": c.finish_reason,
                     "tokens": len(c.token_ids),
                     "rewards": {name: values[i] for name, values in scores.per_function.items()},
+                    **_failures_of(scores.failed, i),
                 },
             )
             for i, c in enumerate(completions)
@@ -119,6 +124,12 @@ class Actor:
         if text not in self._encoded:
             self._encoded[text] = self.format.encode(text)
         return self._encoded[text]
+
+
+def _failures_of(failed: Mapping[str, Mapping[int, str]], i: int) -> dict[str, Any]:
+    """Why rewards failed on sample i (scored their failure_score), for its record; {} if none."""
+    reasons = {name: lost[i] for name, lost in failed.items() if i in lost}
+    return {"reward_failures": reasons} if reasons else {}
 
 
 def _rollout_metrics(

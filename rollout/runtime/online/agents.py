@@ -15,6 +15,13 @@ context, out of the loss. A call that does not (the agent rewrote its history) s
 its own. Every token trained on is one the engine sampled, conditioned on exactly the tokens it
 was conditioned on when serving the agent. The rows of an episode share its advantage (its
 return, scored by [[rewards]] on the program's final answer, against its group's).
+
+An episode's sample (logging.samples_per_step) shows every call as turns: what the agent sent
+that was new (the messages after the last assistant message of a chat request; the prompt tokens
+past the previous call's, as text, of a completions request), then the reply it received with
+the call's number, policy version, token count and finish reason; the final answer is the
+sample's completion. Texts are cut to storage.base.MAX_SAMPLE_TEXT characters, a request's new
+messages to its last SENT_MESSAGES, the calls to environment.max_turns.
 """
 
 from __future__ import annotations
@@ -38,9 +45,13 @@ from rollout.runtime.online.batches import RolloutBatch
 from rollout.serve.loading import served_engine
 from rollout.serve.recording import CompletionRecorder, RecordedCompletion
 from rollout.serve.server import OpenAIServer
+from rollout.storage.base import clip_text
 from rollout.tracing import span
 
 log = logging.getLogger("rollout.agents")
+
+SENT_MESSAGES = 4
+"""The new messages of one request an episode's sample keeps (its last ones)."""
 
 
 @dataclass
@@ -86,6 +97,54 @@ def assemble(calls: Sequence[RecordedCompletion]) -> list[Stretch]:
     return stretches
 
 
+def episode_turns(
+    calls: Sequence[RecordedCompletion], *, max_calls: int, decode: Callable[[list[int]], str]
+) -> list[dict[str, Any]]:
+    """An episode's served completions as a sample's turns: per call, what was new in the
+    request, then the reply (see the module's docstring); `decode` turns token ids into text."""
+    turns: list[dict[str, Any]] = []
+    previous: RecordedCompletion | None = None
+    for number, call in enumerate(calls[:max_calls], start=1):
+        turns += _sent_turns(call, previous, decode)
+        turns.append(
+            {
+                "role": "assistant",
+                "content": clip_text(call.text),
+                "call": number,
+                "policy_version": call.policy_version,
+                "tokens": len(call.token_ids),
+                "finish_reason": call.finish_reason,
+            }
+        )
+        previous = call
+    if len(calls) > max_calls:
+        turns.append({"role": "note", "content": f"[{len(calls) - max_calls} more calls cut]"})
+    return turns
+
+
+def _sent_turns(
+    call: RecordedCompletion,
+    previous: RecordedCompletion | None,
+    decode: Callable[[list[int]], str],
+) -> list[dict[str, Any]]:
+    if call.kind == "chat":
+        # The conversation so far ends at the last reply the agent passed back: what follows it
+        # (tool results, the next user message) is this call's news.
+        messages = list(call.sent)
+        replies = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+        new = messages[replies[-1] + 1 :] if replies else messages
+    else:
+        prompt = call.prompt_token_ids
+        context = previous.prompt_token_ids + previous.token_ids if previous else []
+        start = len(context) if context and prompt[: len(context)] == context else 0
+        new = [{"role": "prompt", "content": decode(prompt[start:])}] if prompt[start:] else []
+    turns = [{"role": m["role"], "content": clip_text(m["content"])} for m in new[-SENT_MESSAGES:]]
+    if len(new) > SENT_MESSAGES:
+        cut = f"[{len(new) - SENT_MESSAGES} earlier messages of this request cut]"
+        turns.insert(0, {"role": "note", "content": cut})
+    return turns
+
+
 @dataclass(frozen=True)
 class AgentSettings:
     concurrency: int
@@ -109,6 +168,7 @@ class _Episode:
     stretches: list[Stretch] | None = None
     failure: str | None = None
     calls: int = 0
+    turns: list[dict[str, Any]] | None = None
 
 
 class AgentActor:
@@ -135,6 +195,7 @@ class AgentActor:
         self.params = params
         self.settings = settings
         self.memory = None
+        self.tokenizer = tokenizer
         self.recorder = CompletionRecorder()
         self._api_key = secrets.token_hex(16)
         self._greedy = False
@@ -178,23 +239,26 @@ class AgentActor:
             Sample(
                 prompt=self.format.prompt_text(e.row),
                 completion=e.outcome.answer if e.outcome else "",
-                turns=None,
+                turns=e.turns,
                 reward=float(returns[i]),
-                extra={"calls": e.calls, "failure": e.failure},
+                extra={"episode_id": e.episode_id, "calls": e.calls, "failure": e.failure},
             )
             for i, e in enumerate(episodes)
         ]
         return Rollout(batch=batch, metrics=metrics, samples=samples)
 
-    def evaluate(self, rows: Sequence[Row], *, seed: int) -> tuple[dict[str, float], int]:
-        """Summed returns of one greedy episode per row, and how many rows (see
-        evaluate.evaluate: sums, for the mean over every rank's share)."""
+    def evaluate(
+        self, rows: Sequence[Row], *, seed: int, samples: int = 1
+    ) -> tuple[dict[str, float], int]:
+        """Summed returns of one greedy episode per row (or `samples` sampled ones, as training
+        samples), and how many episodes (see evaluate.evaluate: sums, for the mean over every
+        rank's share). Agents' requests carry no seed of ours: `seed` is unused here."""
         names = ("eval/reward", "eval/failed_fraction", "eval/calls_mean")
         if not rows:
             return dict.fromkeys(names, 0.0), 0
-        self._greedy = True
+        self._greedy = samples == 1
         try:
-            episodes = self._play([dict(row) for row in rows])
+            episodes = self._play([dict(row) for row in rows for _ in range(samples)])
         finally:
             self._greedy = False
         returns = self._returns(episodes)
@@ -203,7 +267,7 @@ class AgentActor:
             sum(e.failure is not None for e in episodes),
             sum(e.calls for e in episodes),
         )
-        return dict(zip(names, map(float, sums), strict=True)), len(rows)
+        return dict(zip(names, map(float, sums), strict=True)), len(episodes)
 
     def close(self) -> None:
         self.server.stop()
@@ -235,6 +299,9 @@ class AgentActor:
             calls = self.recorder.drain(episode.episode_id)
             episode.calls = len(calls)
             episode.stretches = assemble(calls)
+            episode.turns = episode_turns(
+                calls, max_calls=self.settings.max_calls, decode=self._decode
+            )
             episode.failure = outcome.failure or self._problem(calls)
             if episode.failure is not None:
                 message = f"agent episode {episode.episode_id} failed: {episode.failure}"
@@ -242,6 +309,9 @@ class AgentActor:
                     raise AgentFailure(message)
                 log.warning("%s (scored %g)", message, self.settings.failure_reward)
         return episodes
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
 
     def _run(self, episode: _Episode) -> AgentOutcome:
         return self.program.run(

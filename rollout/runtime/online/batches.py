@@ -19,9 +19,10 @@ class Sample:
 
     prompt: str
     completion: str | None
-    """None for a multi-turn episode: see `turns`."""
-    turns: list[dict[str, str]] | None
-    """A multi-turn episode's messages after the prompt: [{"role", "content"}, ...]."""
+    """None for an environment episode: see `turns`; an agent episode's final answer."""
+    turns: list[dict[str, Any]] | None
+    """A multi-turn episode's messages after the prompt: [{"role", "content"}, ...] (an agent
+    episode's also carry metadata: storage.base.SampleRecord.turns)."""
     reward: float
     extra: dict[str, Any]
 

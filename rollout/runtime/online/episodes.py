@@ -219,22 +219,30 @@ class EpisodeActor:
             episodes.append(_Episode(prompt, [], [], [], [], observation=observation))
         return episodes
 
-    def evaluate(self, rows: Sequence[Row], *, seed: int) -> tuple[dict[str, float], int]:
-        """Summed returns, solved episodes and turns of one greedy episode per row, and how many
-        rows they cover (sums: ranks' shards are averaged together, see evaluate.evaluate).
-        `seed` is the environment's: the same at every evaluation, so each plays the same games."""
+    def evaluate(
+        self, rows: Sequence[Row], *, seed: int, samples: int = 1
+    ) -> tuple[dict[str, float], int]:
+        """Summed returns, solved episodes and turns of one greedy episode per row (or `samples`
+        sampled ones, at the run's temperature), and how many episodes they cover (sums: ranks'
+        shards are averaged together, see evaluate.evaluate). `seed` is the same at every
+        evaluation, so each plays the same games with the same draws."""
         names = ("eval/reward", "eval/solved_fraction", "eval/turns_mean")
         if not rows:
             return dict.fromkeys(names, 0.0), 0
-        episodes = self._start([self.format.reward_row(row) for row in rows], seed)
-        self._play(episodes, seed, replace(self.params, temperature=0.0, n=1))
+        records = [self.format.reward_row(row) for row in rows for _ in range(samples)]
+        episodes = self._start(records, seed)
+        if samples == 1:
+            params = replace(self.params, temperature=0.0, n=1)
+        else:
+            params = replace(self.params, n=samples)
+        self._play(episodes, seed, params)
         returns = [self.settings.failure_reward if e.failure else e.score for e in episodes]
         sums = (
             sum(returns),
             sum(e.solved for e in episodes),
             sum(len(e.rewards) for e in episodes),
         )
-        return dict(zip(names, map(float, sums), strict=True)), len(rows)
+        return dict(zip(names, map(float, sums), strict=True)), len(episodes)
 
     def _play(
         self, episodes: list[_Episode], seed: int, params: SamplingParams

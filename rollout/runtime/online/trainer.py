@@ -225,19 +225,28 @@ def _evaluate(
     step: int,
 ) -> None:
     """Each rank scores its shard of the eval prompts; the means are over all of them. With a
-    multi-turn environment, one greedy episode per prompt. Then the eval suites, if any."""
+    multi-turn environment, episodes instead of completions: one greedy, or run.eval_samples
+    sampled, per prompt. Then the eval suites, if any."""
     if roles.suites is not None:
         roles.suites.run(ctx, writer, step)
     if not ctx.plan.derived.evaluates:
         return
     environment = ctx.plan.config.environment
+    samples = ctx.plan.config.run.eval_samples
+    # The same seed at every evaluation: each compares the policy on the same draws.
+    seed = derive_seed(ctx.plan.seeds.sampling, "eval")
     if environment is not None and not environment.is_single_turn:
         assert isinstance(roles.actor, EpisodeActor | AgentActor)
-        seed = derive_seed(ctx.plan.seeds.sampling, "eval")
-        sums, count = roles.actor.evaluate(rows, seed=seed)
+        sums, count = roles.actor.evaluate(rows, seed=seed, samples=samples)
     else:
         sums, count = evaluate(
-            roles.engine, roles.prompt_format, roles.actor.rewards, rows, ctx.plan.config.generation
+            roles.engine,
+            roles.prompt_format,
+            roles.actor.rewards,
+            rows,
+            ctx.plan.config.generation,
+            samples=samples,
+            seed=seed,
         )
     record_means(ctx, writer, step, sums, count)
 
