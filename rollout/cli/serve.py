@@ -90,14 +90,15 @@ def serve(
         int | None, typer.Option("--seed", help="Seed of the sampling stream (unseeded requests).")
     ] = None,
     engine: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--engine",
             metavar="REF",
             help="hf, or an engine plugin: './engine.py:make' (relative to the current "
-            "directory), 'package.module:make' or a 'rollout.engines' entry point.",
+            "directory), 'package.module:make' or a 'rollout.engines' entry point. Default: "
+            "the --config's \\[generation] engine, else hf.",
         ),
-    ] = "hf",
+    ] = None,
     dev: Annotated[
         bool,
         typer.Option(
@@ -121,7 +122,7 @@ def serve(
     Stops gracefully on SIGTERM or Ctrl-C: requests in flight are answered first.
     """
     from rollout.inference.batch import resolve_device
-    from rollout.inference.serve_source import load_served, resolve_source
+    from rollout.inference.serve_source import choose_engine, load_served, resolve_source
     from rollout.serve.loading import resolve_api_key, tls_context
 
     # OpenMP's worker threads spin while they wait for work. Here the engine thread shares the
@@ -150,7 +151,8 @@ def serve(
         server = _bind(host, port, served, key, tls)
     # The name may come from a --model URL: printed only through redact_text, like every Issue.
     shown = redact_text(repr(source.name))
-    on = "" if engine == "hf" else f" with engine {escape(repr(engine))}"
+    chosen = choose_engine(engine, source).ref
+    on = "" if chosen == "hf" else f" with engine {escape(repr(chosen))}"
     dev_note = ", --dev: `rollout plugins reload` reloads the engine" if dev else ""
     stdout.print(f"serving {escape(shown)}{on} at {server.url} (Ctrl-C or SIGTERM stops{dev_note})")
     with tracing.exporting(otlp_endpoint, "rollout-serve"):

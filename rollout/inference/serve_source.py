@@ -38,6 +38,8 @@ class ServeSource:
     policy_version: int = 0
     option: str = "--model"
     """The option that named the model, where its problems are reported."""
+    engine: str | None = None
+    """The config's [generation] engine (a --config source); --engine overrides it."""
 
 
 def resolve_source(
@@ -87,16 +89,19 @@ def load_served(
     dtype: str,
     seed: int | None,
     max_batch_size: int | None,
-    engine: str = "hf",
+    engine: str | None = None,
     dev: bool = False,
 ) -> Any:
-    """Load the model and start its service: a ServedModel. `engine`: "hf" or an engine plugin's
-    reference (--engine, relative to the current directory). `dev`: the engine can be reloaded
+    """Load the model and start its service: a ServedModel. `engine`: --engine, "hf" or an
+    engine plugin's reference relative to the current directory; None: a config source's
+    [generation] engine (relative to the config), else hf. `dev`: the engine can be reloaded
     (re-importing the plugin's code) through the server's /admin/reload route."""
     from rollout.inference.model_choice import inspect_model_at
     from rollout.models.loading import load_model
 
-    plugin = _engine_plugin(engine)
+    choice = choose_engine(engine, source)
+    engine = choice.ref
+    plugin = _engine_plugin(choice)
     facts = inspect_model_at(source.section, source.base_dir, source.option)
     if dtype == "auto":
         dtype = source.section.dtype
@@ -106,7 +111,7 @@ def load_served(
     batch = max_batch_size or source.max_batch_size
 
     def build(resolved: Any) -> Any:
-        built = _build_served_engine(engine, resolved, loaded, device, batch, seed)
+        built = _build_served_engine(choice, resolved, loaded, device, batch, seed)
         built.load_weights(None, version=source.policy_version)
         return built
 
@@ -121,28 +126,49 @@ def load_served(
         reloadable=dev,
     )
     if dev:
-        served.reload = _reloader(engine, plugin, served, build, loaded.tokenizer, batch)
+        served.reload = _reloader(choice, plugin, served, build, loaded.tokenizer, batch)
     return served
 
 
 ENGINE_FLAG = "--engine"
 
 
-def _engine_plugin(engine: str) -> Any:
-    """The resolved plugin --engine names (None for hf); vllm is refused: it keeps no decode
+@dataclass(frozen=True)
+class EngineChoice:
+    """The engine to serve, where it was named (for errors) and what a file plugin's path is
+    relative to."""
+
+    ref: str
+    where: str
+    base_dir: Path
+
+
+def choose_engine(flag: str | None, source: ServeSource) -> EngineChoice:
+    """--engine when given; else the config's [generation] engine (a served config runs the
+    engine it trains with); else hf."""
+    if flag is not None:
+        return EngineChoice(flag, ENGINE_FLAG, Path.cwd())
+    if source.engine is not None:
+        return EngineChoice(source.engine, "generation.engine", source.base_dir)
+    return EngineChoice("hf", ENGINE_FLAG, Path.cwd())
+
+
+def _engine_plugin(choice: EngineChoice) -> Any:
+    """The resolved plugin the choice names (None for hf); vllm is refused: it keeps no decode
     batch for concurrent requests."""
     from rollout.config.generation import BUILTIN_ENGINES, check_engine, is_plugin_engine
     from rollout.config.translate import did_you_mean_choice
 
+    engine = choice.ref
     try:
         check_engine(engine)
     except ValueError as error:
         hint = did_you_mean_choice(engine, list(BUILTIN_ENGINES))
-        raise RolloutError(Issue(ENGINE_FLAG, str(error), value=engine, hint=hint)) from None
+        raise RolloutError(Issue(choice.where, str(error), value=engine, hint=hint)) from None
     if engine == "vllm":
         raise RolloutError(
             Issue(
-                ENGINE_FLAG,
+                choice.where,
                 "rollout serve drives the hf engine (or an engine plugin); vllm has a server of "
                 "its own",
                 value=engine,
@@ -153,20 +179,25 @@ def _engine_plugin(engine: str) -> Any:
         return None
     from rollout.planner.engine import resolve_engine_ref
 
-    return resolve_engine_ref(engine, base_dir=Path.cwd(), used_by=ENGINE_FLAG)
+    return resolve_engine_ref(engine, base_dir=choice.base_dir, used_by=choice.where)
 
 
 def _build_served_engine(
-    engine: str, resolved: Any, loaded: Any, device: str, batch: int | None, seed: int | None
+    choice: EngineChoice,
+    resolved: Any,
+    loaded: Any,
+    device: str,
+    batch: int | None,
+    seed: int | None,
 ) -> Any:
     from rollout.engines.build import build_engine
     from rollout.engines.plugin import EnginePlugin
 
     plugin = None
     if resolved is not None:
-        plugin = EnginePlugin(resolved.identity.ref, ENGINE_FLAG, resolved.fn)
+        plugin = EnginePlugin(resolved.identity.ref, choice.where, resolved.fn)
     return build_engine(
-        engine,  # hf: EngineService drives its decode batch; a plugin: whole generate calls
+        choice.ref,  # hf: EngineService drives its decode batch; a plugin: whole generate calls
         model=loaded.model,
         tokenizer=loaded.tokenizer,
         eos_token_ids=loaded.eos_token_ids,
@@ -180,7 +211,7 @@ def _build_served_engine(
 
 
 def _reloader(
-    engine: str, plugin: Any, served: Any, build: Any, tokenizer: Any, batch: int | None
+    choice: EngineChoice, plugin: Any, served: Any, build: Any, tokenizer: Any, batch: int | None
 ) -> Any:
     """/admin/reload's work: re-import the plugin's code, build the engine anew on the same
     model, swap it in between requests; the old and new identity. Code that fails to import (or
@@ -198,19 +229,19 @@ def _reloader(
             if old is None:
                 raise RolloutError(
                     Issue(
-                        ENGINE_FLAG,
-                        f"the served engine is the built-in {engine!r}: there is no plugin code "
+                        choice.where,
+                        f"the served engine is the built-in {choice.ref!r}: there is no plugin code "
                         "to reload",
                         hint="serve an engine plugin: rollout serve --dev --engine ./engine.py:make",
                     )
                 )
             _forget_module(old.identity)
-            new = _engine_plugin(engine)
+            new = _engine_plugin(choice)
             built = build(new)
             served.service.swap(lambda: engine_service(built, tokenizer, max_batch_size=batch))
             state["plugin"] = new
             return {
-                "engine": engine,
+                "engine": choice.ref,
                 "old": old.identity.model_dump(mode="json"),
                 "new": new.identity.model_dump(mode="json"),
             }
@@ -250,6 +281,7 @@ def _from_config(path: Path, name: str | None) -> ServeSource:
         defaults,
         max_batch_size=generation.max_batch_size,
         option="model",
+        engine=generation.engine,
     )
 
 

@@ -205,14 +205,50 @@ def test_a_swap_finishes_what_is_in_flight_then_serves_with_the_new_engine(tiny_
     ],
 )
 def test_serve_refuses_an_engine_it_cannot_serve_before_loading_a_model(engine, expected):
+    from pathlib import Path
+
     from rollout.errors import RolloutError
-    from rollout.inference.serve_source import _engine_plugin
+    from rollout.inference.serve_source import EngineChoice, _engine_plugin
 
     with pytest.raises(RolloutError) as caught:
-        _engine_plugin(engine)
+        _engine_plugin(EngineChoice(engine, "--engine", Path.cwd()))
     (issue,) = caught.value.issues
     assert issue.path == "--engine"
     assert expected in f"{issue.message} {issue.hint}"
+
+
+def test_a_served_config_runs_its_own_engine_unless_the_flag_says_otherwise(tmp_path, base_config):
+    """`rollout serve --config` serves the engine the config trains with (a file plugin relative
+    to the config), --engine overrides it, and a config's vllm is refused naming its key."""
+    from rollout.errors import RolloutError
+    from rollout.inference.serve_source import _engine_plugin, choose_engine, resolve_source
+    from tests.conftest import write_toml
+
+    (tmp_path / "engine.py").write_text(
+        "from rollout.engines.plugin import EngineSpec\n\n"
+        "def make(spec: EngineSpec):\n    return spec.hf_engine()\n"
+    )
+    config = dict(
+        base_config, generation={**base_config["generation"], "engine": "./engine.py:make"}
+    )
+    path = write_toml(tmp_path / "run.toml", config)
+    source = resolve_source(config=path, model=None, checkpoint=None, name=None)
+    chosen = choose_engine(None, source)
+    assert (chosen.ref, chosen.where, chosen.base_dir) == (
+        "./engine.py:make",
+        "generation.engine",
+        tmp_path,
+    )
+    assert _engine_plugin(chosen).identity.ref == "./engine.py:make"  # found beside the config
+    assert choose_engine("hf", source).ref == "hf"
+    config["generation"]["engine"] = "vllm"
+    config["cluster"] = {"device": "cuda"}  # what a vllm config says (serve reads no hardware)
+    source = resolve_source(
+        config=write_toml(tmp_path / "run.toml", config), model=None, checkpoint=None, name=None
+    )
+    with pytest.raises(RolloutError) as caught:
+        _engine_plugin(choose_engine(None, source))
+    assert caught.value.issues[0].path == "generation.engine"
 
 
 def test_the_hf_engine_is_served_continuously_batched_and_a_plugin_in_whole_calls(tiny_llama):
