@@ -56,6 +56,7 @@ from rollout.planner.memory import (
     runs_live_reference,
     vllm_share_issues,
 )
+from rollout.planner.openings import Opening, environment_opening, tools_opening
 from rollout.planner.placement import build_graph, max_restarts
 from rollout.planner.reward_model import model_directory_of, resolve_reward_model
 from rollout.planner.reward_sandbox import reward_sandbox
@@ -69,6 +70,7 @@ from rollout.planner.store_check import store_issues
 from rollout.planner.tools import resolve_tools
 from rollout.planner.trackers import resolve_trackers, tracker_issues
 from rollout.plugins.identity import PluginIdentity, installed_version
+from rollout.plugins.resolve import ResolvedPlugin
 from rollout.seeds import derive_seed
 from rollout.version import __version__
 
@@ -131,15 +133,22 @@ def _build(
     hardware = hardware or probe_hardware()
     with tracing.span("plan.model"):
         model = _collect(issues, lambda: inspect_model(run_config.model, base_dir=base))
-    # The tools come first: every episode's first message starts with their declarations,
-    # which the data check counts against max_prompt_tokens.
+    # The tools and the environment come first: an episode opens with what they write (the
+    # tools' declarations, a plugin's first observation), which the data check counts against
+    # max_prompt_tokens.
     tools = resolve_tools(run_config, base, issues)
-    with tracing.span("plan.data"):
-        data = _inspect_all_data(run_config, base, issues, model, tools.instructions)
+    resolved_environment = _resolve_environment(run_config, base, issues)
+    environment = resolved_environment.identity if resolved_environment is not None else None
+    opening = _opening(run_config, tools.instructions, resolved_environment)
+    try:
+        with tracing.span("plan.data"):
+            data = _inspect_all_data(run_config, base, issues, model, opening)
+    finally:
+        if opening is not None:
+            opening.close()
     fields = _reward_fields(run_config, data)
     with tracing.span("plan.rewards"):
         rewards = _resolve_rewards(run_config, base, fields, issues)
-    environment = _resolve_environment(run_config, base, issues)
     environment_python = _environment_sidecar(run_config, environment, base, issues)
     eval_suites = inspect_suites(run_config, base, issues)
     device = _resolve_device(run_config, hardware, issues)
@@ -234,11 +243,11 @@ def _inspect_all_data(
     base: Path,
     issues: list[Issue],
     model: ModelFacts | None,
-    tool_instructions: str | None = None,
+    opening: Opening | None = None,
 ) -> list[DataFacts]:
     required = _required_fields(config)
     # Offline objectives tokenize every record with the model's tokenizer (lengths, labels).
-    check, run_issues = record_check(config, model, base, tool_instructions)
+    check, run_issues = record_check(config, model, base, opening)
     issues.extend(run_issues)
     mapping = config.data.fields
     paired = None
@@ -348,9 +357,20 @@ def _resolve_rewards(
     return records
 
 
+def _opening(
+    config: RunConfig, tool_instructions: str | None, environment: ResolvedPlugin | None
+) -> Opening | None:
+    """How an episode opens, where the plan can know it (rollout.planner.openings)."""
+    if tool_instructions is not None and config.data.fields.prompt is not None:
+        return tools_opening(tool_instructions, config.data.fields.prompt)
+    if environment is not None:
+        return environment_opening(config, environment.fn)
+    return None
+
+
 def _resolve_environment(
     config: RunConfig, base: Path, issues: list[Issue]
-) -> PluginIdentity | None:
+) -> ResolvedPlugin | None:
     """What [environment] names, imported once here; its options checked against its signature
     (and a built-in built with them, so a bad value fails now rather than at step 1)."""
     from rollout.harness.environments import BUILTIN_ENVIRONMENTS
@@ -375,10 +395,10 @@ def _resolve_environment(
         return None
     resolved = _collect(issues, lambda: resolve_plugin(spec.name, **where))
     if resolved is None or spec.is_single_turn or spec.is_tools:
-        return resolved.identity if resolved is not None else None
+        return resolved
     if spec.is_agent:
         issues.extend(_agent_issues(spec.options, base))
-        return resolved.identity
+        return resolved
     remembers = takes_memory(resolved.fn)
     if remembers and "memory" in spec.options:
         issues.append(
@@ -433,7 +453,7 @@ def _resolve_environment(
         close = getattr(built, "close", None)
         if callable(close):
             close()
-    return resolved.identity
+    return resolved
 
 
 def _environment_sidecar(

@@ -21,10 +21,10 @@ from typing import Any
 from rollout.config.algorithm import ONLINE_KINDS
 from rollout.config.root import RunConfig
 from rollout.errors import Issue
-from rollout.harness.environments.tools import first_message
 from rollout.models.facts import ModelFacts
 from rollout.models.samples import Demonstration, Judged, Pair, SampleError, SampleRules
 from rollout.planner import tokenizer as plan_tokenizer
+from rollout.planner.openings import Opening, OpeningFailed
 
 
 @dataclass(frozen=True)
@@ -64,10 +64,11 @@ def record_check(
     config: RunConfig,
     model: ModelFacts | None,
     base_dir: Path,
-    tool_instructions: str | None = None,
+    opening: Opening | None = None,
 ) -> tuple[RecordCheck | None, list[Issue]]:
     """The check to run on every record of the run, and problems of the run as a whole.
-    `tool_instructions`: what the tools environment puts before every prompt.
+    `opening`: how an episode's environment opens it, in place of the prompt
+    (rollout.planner.openings).
 
     Returns (None, issues) when there is nothing to check record by record: a model that failed
     inspection, no chat template where one is used, or no tokenizer readable without transformers.
@@ -103,7 +104,7 @@ def record_check(
         return None, []
     rules = sample_rules(config, tokenizer)
     if kind in ONLINE_KINDS:
-        return _prompt_check(config, rules, model.context_length, tool_instructions), []
+        return _prompt_check(config, rules, model.context_length, opening), []
     return _sample_check(config, rules), []
 
 
@@ -134,22 +135,36 @@ def _sample_check(config: RunConfig, rules: SampleRules) -> RecordCheck:
 
 
 def _prompt_check(
-    config: RunConfig, rules: SampleRules, context: int, tool_instructions: str | None
+    config: RunConfig, rules: SampleRules, context: int, opening: Opening | None
 ) -> RecordCheck:
-    """An online prompt must fit generation.max_prompt_tokens, as the worker encodes it (after
-    the tools' declarations, in the tools environment)."""
+    """An online prompt must fit generation.max_prompt_tokens, as the worker encodes it (an
+    episode's as its environment opens it: after the tools' declarations, or the first
+    observation a plugin environment's reset returns)."""
     limit = config.generation.max_prompt_tokens
     max_new = config.generation.max_new_tokens
     field = config.data.fields.prompt
     how = "with the chat template" if config.data.use_chat_template else "without a chat template"
     if config.data.use_chat_template and config.data.system_prompt is not None:
         how += " and the system prompt"
-    if tool_instructions is not None:
-        how += " and the tools' declarations before it"
+    opened = how if opening is None else f"{how} {opening.describe}"
 
     def check(record: Mapping[str, Any]) -> list[RecordProblem]:
-        if tool_instructions is not None and field in record:
-            record = {**record, field: first_message(tool_instructions, record[field])}
+        said = how
+        if opening is not None and field in record:
+            try:
+                first = opening.first_message(record)
+            except OpeningFailed as error:
+                name = config.environment.name if config.environment else "environment"
+                return [
+                    RecordProblem(
+                        "environment.name",
+                        f"{name} cannot open an episode on this record: {error}",
+                        "fix the environment's reset (try it: rollout plugins test "
+                        f"{name} --kind environment --sample FILE), or drop the record",
+                    )
+                ]
+            if first is not None:
+                record, said = {**record, field: first}, opened
         try:
             length = len(rules.generation_prompt(record))
         except SampleError as error:
@@ -159,7 +174,7 @@ def _prompt_check(
         return [
             RecordProblem(
                 "generation.max_prompt_tokens",
-                f"prompt {field!r} is {length} tokens ({how}), longer than max_prompt_tokens "
+                f"prompt {field!r} is {length} tokens ({said}), longer than max_prompt_tokens "
                 f"{limit}",
                 _longer_prompt_hint(length, max_new, context),
                 length=length,

@@ -84,7 +84,11 @@ def test_plan_resolves_the_environment_and_records_it(config_file, base_config):
 
 
 def test_plan_records_a_file_environment_by_its_hash(config_file, base_config, tmp_path):
-    (tmp_path / "game.py").write_text("class Game:\n    def __init__(self, level=1): ...\n")
+    (tmp_path / "game.py").write_text(
+        "class Game:\n"
+        "    def __init__(self, level=1): ...\n"
+        "    def reset(self, rows, *, seed): return ['Go.' for _ in rows]\n"
+    )
     plan = build_plan(config_file(multi_turn(base_config, name="./game.py:Game", options={})))
     assert plan.environment.kind == "file" and len(plan.environment.sha256) == 64
 
@@ -174,3 +178,58 @@ def test_plan_checks_the_agents_options_and_command(config_file, base_config, tm
         "concurrency must be 1 to 1024"
         in plan_issues(config_file, raw)["environment.options"].message
     )
+
+
+GAMES = """
+import time
+
+
+class Wordy:
+    \"\"\"Opens each episode with its rules, far longer than the prompt.\"\"\"
+
+    def __init__(self, rules=40):
+        self.rules = rules
+
+    def reset(self, rows, *, seed):
+        return [" ".join(["rule"] * self.rules) + " " + row["prompt"] for row in rows]
+
+    def step(self, episodes, actions):
+        raise AssertionError("the plan only opens episodes")
+
+
+class Picky(Wordy):
+    def reset(self, rows, *, seed):
+        if any(row["prompt"] == "What is 4 + 1?" for row in rows):
+            raise KeyError("level")
+        return super().reset(rows, seed=seed)
+
+
+class Slow(Wordy):
+    def reset(self, rows, *, seed):
+        time.sleep(5)
+"""
+
+
+def test_plan_counts_a_plugin_environments_first_observation_against_max_prompt_tokens(
+    config_file, base_config, tmp_path
+):
+    """The worker refuses an episode whose first observation passes max_prompt_tokens: the plan,
+    which resets the environment on every record as the worker will, refuses it first."""
+    (tmp_path / "games.py").write_text(GAMES)
+    fits = multi_turn(base_config, name="./games.py:Wordy", options={"rules": 1})
+    assert build_plan(config_file(fits)).environment.ref == "./games.py:Wordy"
+    found = plan_issues(config_file, multi_turn(base_config, name="./games.py:Wordy", options={}))
+    issue = found["generation.max_prompt_tokens"]
+    assert "as environment './games.py:Wordy' opens the episode" in issue.message
+    assert "longer than max_prompt_tokens 32" in issue.message
+
+
+def test_plan_names_the_record_an_environment_cannot_open(config_file, base_config, tmp_path):
+    (tmp_path / "games.py").write_text(GAMES)
+    raw = multi_turn(base_config, name="./games.py:Picky", options={"rules": 1})
+    issue = plan_issues(config_file, raw)["environment.name"]
+    assert "cannot open an episode on this record: reset raised KeyError" in issue.message
+    assert "line 5" in issue.message  # "What is 4 + 1?" is the fifth record
+    hung = multi_turn(base_config, name="./games.py:Slow", options={"rules": 1}, timeout_s=0.2)
+    issue = plan_issues(config_file, hung)["environment.name"]
+    assert "did not return within environment.timeout_s = 0.2" in issue.message
