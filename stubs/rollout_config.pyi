@@ -275,7 +275,8 @@ class EnvironmentSection(TypedDict):
     advantage: NotRequired[Literal["episode", "turn"]]
     """'episode': every answer of an episode gets the episode's advantage (its return against its
     group's); 'turn': each answer gets the return from its turn on, against the group's mean
-    return.
+    return. For ppo and reinforce_pp, where the rewards go: the episode's return on its last
+    token ('episode'), or each turn's reward on the last token of its answer ('turn').
 
     Default: 'episode'."""
     timeout_s: NotRequired[float]

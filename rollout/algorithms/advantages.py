@@ -83,34 +83,60 @@ def _grouped(rewards: Tensor, group_size: int) -> Tensor:
 # Per-token advantages (PPO, REINFORCE++)
 #
 # Shapes: [B, T] with each row's completion in its LAST columns (the learner's layout, see
-# rollout.runtime.online.batches.PaddedBatch): column T - 1 is every row's final token, and
-# mask [B, T] marks the real tokens. Values at masked positions are ignored and come back as 0.
+# rollout.runtime.online.batches.PaddedBatch), and mask [B, T] marking the policy's tokens: the
+# actions. Values at masked positions are ignored and come back as 0. In a multi-turn episode the
+# environment's messages sit between the policy's answers with mask 0: they are not actions, so
+# the recursions below run over the policy's tokens alone, as if the environment's were not
+# there (gamma and lambda apply between consecutive policy tokens, across a turn boundary as
+# within an answer).
 
 
 def kl_shaped_rewards(
-    rewards: Tensor, kl: Tensor | None, mask: Tensor, *, kl_coef: float = 0.0
+    rewards: Tensor,
+    kl: Tensor | None,
+    mask: Tensor,
+    *,
+    kl_coef: float = 0.0,
+    placed: Tensor | None = None,
 ) -> Tensor:
-    """Per-token rewards: -kl_coef * kl at every token, plus the sequence's reward at its last.
+    """Per-token rewards: -kl_coef * kl at every policy token, plus the sequence's reward at its
+    last policy token.
 
     rewards: [B] sequence rewards. kl: [B, T] per-token KL estimate to the reference (None or
-    kl_coef 0: no penalty). Returns [B, T], 0 where mask is 0. Classic RLHF-PPO and REINFORCE++
-    put the KL to the reference into the reward this way rather than into the loss.
+    kl_coef 0: no penalty). placed: [B, T] rewards already on their tokens (a multi-turn
+    episode's per-turn rewards, each on its answer's last token), used instead of `rewards`.
+    Returns [B, T], 0 where mask is 0. Classic RLHF-PPO and REINFORCE++ put the KL to the
+    reference into the reward this way rather than into the loss.
     """
     shaped = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
     if kl is not None and kl_coef:
         shaped = shaped - kl_coef * kl.float()
-    shaped[:, -1] += rewards.float()
+    if placed is not None:
+        shaped = shaped + placed.float()
+    else:
+        rows = torch.arange(mask.shape[0], device=mask.device)
+        shaped[rows, last_policy_token(mask)] += rewards.float()
     return torch.where(mask.bool(), shaped, 0.0)
 
 
+def last_policy_token(mask: Tensor) -> Tensor:
+    """[B, T] mask -> [B] the column of each row's last policy token (T - 1 for a row with none:
+    whatever lands there is masked out)."""
+    columns = mask.shape[1]
+    return columns - 1 - mask.bool().flip(1).int().argmax(dim=1)
+
+
 def discounted_returns(token_rewards: Tensor, mask: Tensor, *, gamma: float = 1.0) -> Tensor:
-    """G_t = sum over s >= t of gamma^(s - t) * r_s, within each row: [B, T] -> [B, T]."""
-    returns = torch.zeros_like(token_rewards, dtype=torch.float32)
-    running = torch.zeros(token_rewards.shape[0], dtype=torch.float32, device=mask.device)
-    for t in reversed(range(token_rewards.shape[1])):
-        running = token_rewards[:, t].float() + gamma * running
+    """G_t = sum over policy tokens s >= t of gamma^(steps from t to s) * r_s, within each row:
+    [B, T] -> [B, T]."""
+    order, _ = _policy_steps(mask)
+    rewards = token_rewards.float().gather(1, order)
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros(rewards.shape[0], dtype=torch.float32, device=mask.device)
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + gamma * running
         returns[:, t] = running
-    return torch.where(mask.bool(), returns, 0.0)
+    return _scattered(returns, order, mask)
 
 
 def gae(
@@ -118,21 +144,38 @@ def gae(
 ) -> tuple[Tensor, Tensor]:
     """Generalized advantage estimation (Schulman et al. 2016): (advantages, returns), [B, T].
 
-    values: [B, T], V(s_t), the critic's value before token t. The episode ends after column
-    T - 1 (the value after it is 0). delta_t = r_t + gamma * V_{t+1} - V_t, and
-    A_t = delta_t + gamma * lam * A_{t+1}; the critic's targets are returns = A + V.
+    values: [B, T], V(s_t), the critic's value before token t. Over each row's policy tokens in
+    order, t + 1 being the next policy token: the episode ends after the last (the value after
+    it is 0), delta_t = r_t + gamma * V_{t+1} - V_t, and A_t = delta_t + gamma * lam * A_{t+1};
+    the critic's targets are returns = A + V.
     """
-    values = torch.where(mask.bool(), values.float(), 0.0)
+    order, policy = _policy_steps(mask)
+    values = torch.where(policy, values.float().gather(1, order), 0.0)
+    rewards = token_rewards.float().gather(1, order)
     advantages = torch.zeros_like(values)
     running = torch.zeros(values.shape[0], dtype=torch.float32, device=values.device)
     next_value = torch.zeros_like(running)
     for t in reversed(range(values.shape[1])):
-        delta = token_rewards[:, t].float() + gamma * next_value - values[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
         running = delta + gamma * lam * running
         advantages[:, t] = running
         next_value = values[:, t]
-    advantages = torch.where(mask.bool(), advantages, 0.0)
-    return advantages, torch.where(mask.bool(), advantages + values, 0.0)
+    return _scattered(advantages, order, mask), _scattered(advantages + values, order, mask)
+
+
+def _policy_steps(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """A permutation of each row's columns that keeps its policy tokens in order and moves them
+    to the row's last columns (the environment's tokens and the padding before them), and the
+    mask in that order. A recursion over the permuted row steps from policy token to policy
+    token; a single answer's row (its tokens already last) is left as it is."""
+    order = torch.sort(mask.bool().to(torch.int8), dim=1, stable=True).indices
+    return order, mask.bool().gather(1, order)
+
+
+def _scattered(values: Tensor, order: Tensor, mask: Tensor) -> Tensor:
+    """The inverse of gathering with `order`, 0 where mask is 0."""
+    back = torch.zeros_like(values).scatter_(1, order, values)
+    return torch.where(mask.bool(), back, 0.0)
 
 
 def whiten(values: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
@@ -158,19 +201,26 @@ def reinforce_pp_advantages(
     gamma: float = 1.0,
     group_size: int = 1,
     baseline: Literal["none", "group"] = "none",
+    placed: Tensor | None = None,
 ) -> Tensor:
     """REINFORCE++ (Hu 2025): KL-shaped token rewards, their discounted returns, whitened over
     the whole batch (the global normalization that replaces a critic). [B, T].
 
     baseline "group" (REINFORCE++-baseline) first subtracts the mean reward of the completion's
-    group (completions of one prompt, contiguous groups of group_size).
+    group (completions of one prompt, contiguous groups of group_size) at its last policy token.
+    placed: per-turn rewards on their tokens, as kl_shaped_rewards takes them; `rewards` are
+    then the episodes' returns, which the baseline is the mean of.
     """
     if baseline == "group":
         grouped = _grouped(rewards, group_size)
-        rewards = (grouped - grouped.mean(dim=1, keepdim=True)).flatten()
+        base = grouped.mean(dim=1, keepdim=True).expand_as(grouped).flatten()
+        if placed is not None:
+            placed = placed.float().clone()
+            placed[torch.arange(len(base), device=mask.device), last_policy_token(mask)] -= base
+        rewards = rewards - base
     elif baseline != "none":
         raise ValueError(f"baseline must be 'none' or 'group', got {baseline!r}")
-    shaped = kl_shaped_rewards(rewards, kl, mask, kl_coef=kl_coef)
+    shaped = kl_shaped_rewards(rewards, kl, mask, kl_coef=kl_coef, placed=placed)
     return whiten(discounted_returns(shaped, mask, gamma=gamma), mask)
 
 

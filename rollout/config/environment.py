@@ -72,7 +72,9 @@ class EnvironmentSection(ConfigModel):
         default="episode",
         description="'episode': every answer of an episode gets the episode's advantage (its "
         "return against its group's); 'turn': each answer gets the return from its turn on, "
-        "against the group's mean return.",
+        "against the group's mean return. For ppo and reinforce_pp, where the rewards go: "
+        "the episode's return on its last token ('episode'), or each turn's reward on the "
+        "last token of its answer ('turn').",
     )
     timeout_s: float = Field(
         default=30.0,

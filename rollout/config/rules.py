@@ -644,9 +644,10 @@ def _environment_scores(config: RunConfig) -> bool:
 
 # --- environment ------------------------------------------------------------------------------
 
-MULTI_TURN_KINDS = ("grpo", "rloo")
-"""Kinds whose advantages are per sequence: an episode's tokens share them (PPO's and
-REINFORCE++'s per-token returns over environment tokens are not built yet)."""
+AGENT_KINDS = ("grpo", "rloo")
+"""Kinds that train on agent episodes: an episode's rows share its advantage. PPO's and
+REINFORCE++'s per-token returns would run over each row alone (an agent that rewrites its history
+makes several rows of one episode), and their group baseline over rows that are not in groups."""
 
 
 @rule("environment", "algorithm", "rewards", "data", "cluster")
@@ -678,11 +679,11 @@ def environment_fits_the_run(config: RunConfig) -> Iterator[Issue]:
                 hint="remove environment.options",
             )
         return
-    if kind not in MULTI_TURN_KINDS:
+    if env.is_agent and kind not in AGENT_KINDS:
         yield Issue(
             "environment.name",
-            f"{kind} does not train on multi-turn episodes yet (its per-token returns would run "
-            "over the environment's tokens)",
+            f"{kind} does not train on agent episodes yet (its per-token returns would run over "
+            "each of an episode's rows alone)",
             value=env.name,
             hint="use algorithm.kind = 'grpo' or 'rloo'",
         )

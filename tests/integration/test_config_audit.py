@@ -1044,7 +1044,11 @@ SECTION_CASES: dict[str, list[Case]] = {
             base=CHARS,
         )
     ],
-    "environment.advantage": [run_shows("grpo", {"environment.advantage": "turn"}, base=CHARS)],
+    "environment.advantage": [
+        run_shows("grpo", {"environment.advantage": "turn"}, base=CHARS),
+        # PPO: each turn's reward on its own answer instead of the return on the last token
+        run_shows("ppo", {"environment.advantage": "turn"}, base=CHARS),
+    ],
     "environment.timeout_s": [
         run_shows("grpo", {"environment.timeout_s": 0.01}, timed_out, base=CHARS, fails=True)
     ],

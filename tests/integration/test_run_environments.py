@@ -183,3 +183,49 @@ def test_episodic_memory_is_checkpointed_restored_on_resume_and_shown(workdir):
     assert "played step 3" not in older.stdout
     missing = rollout(workdir, "memory", "show", record.run_id, "nobody")
     assert missing.returncode == 2 and "agents: player" in missing.stderr
+
+
+@pytest.mark.parametrize(
+    ("kind", "settings"),
+    [
+        # PPO with the KL to the reference in the token rewards, and per-turn rewards.
+        (
+            "ppo",
+            (
+                "algorithm.kl_coef=0.05",
+                "algorithm.kl_penalty='reward'",
+                "algorithm.critic='value_head'",
+                "environment.advantage='turn'",
+                "environment.options={ low = 1, high = 8, shaping = 0.2 }",
+            ),
+        ),
+        ("reinforce_pp", ("algorithm.baseline='group'",)),
+    ],
+)
+def test_the_per_token_kinds_play_guess_number(workdir, kind, settings):
+    """PPO and REINFORCE++ train on multi-turn episodes: two steps of guess_number on the tiny
+    model, the environment's replies in each episode and out of the loss."""
+    args = ["run", "--config", "examples/guess-number.toml"]
+    for setting in (
+        'model={ builtin = "tiny-llama" }',
+        f"algorithm.kind='{kind}'",
+        "data.system_prompt=null",
+        "data.eval=null",
+        "run.eval_interval=null",
+        "algorithm.max_steps=2",
+        "algorithm.rollout_batch_size=8",
+        "algorithm.num_generations=4",
+        "algorithm.minibatch_size=8",
+        *settings,
+    ):
+        args += ["--set", setting]
+    result = rollout(workdir, *args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    store, record = only_run(workdir)
+    names = ["reward/mean", "episode/turns_mean", "train/loss"]
+    if kind == "ppo":
+        names += ["train/value_loss", "train/reward_kl"]
+    for name in names:
+        assert [m.step for m in store.metrics(record.run_id, [name])] == [1, 2], name
+    turns = [m.value for m in store.metrics(record.run_id, ["episode/turns_mean"])]
+    assert all(t > 1 for t in turns), turns  # the random model seldom guesses in one

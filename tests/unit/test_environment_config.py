@@ -39,7 +39,6 @@ def test_a_multi_turn_environment_validates_without_rewards(base_config):
     ("change", "path", "says"),
     [
         ({"rewards": [{"fn": "numeric_match"}]}, "rewards", "would be ignored"),
-        ({"algorithm": {"kind": "ppo"}}, "environment.name", "does not train on multi-turn"),
         ({"data": {"use_chat_template": False}}, "data.use_chat_template", "conversation"),
         (
             {"cluster": {"nproc_per_node": 2, "placement": {"actor": [0], "learner": [1]}}},
@@ -57,6 +56,15 @@ def test_validate_refuses_what_multi_turn_episodes_cannot_do(base_config, change
             raw[section] = values
     found = issues_of(raw)
     assert path in found and says in found[path].message, found
+
+
+@pytest.mark.parametrize("kind", ["ppo", "reinforce_pp"])
+@pytest.mark.parametrize("advantage", ["episode", "turn"])
+def test_the_per_token_kinds_train_on_multi_turn_episodes(base_config, kind, advantage):
+    raw = multi_turn(base_config, advantage=advantage)
+    raw["algorithm"]["kind"] = kind
+    config = validate_config(raw)
+    assert config.algorithm.kind == kind and config.environment.advantage == advantage
 
 
 def test_the_single_turn_environment_takes_no_turns_or_options(base_config):
@@ -152,6 +160,7 @@ def agent_config(base_config, **environment: Any) -> dict[str, Any]:
         ({"environment.advantage": "turn"}, "environment.advantage", "one return"),
         ({"environment.max_observation_tokens": 32}, "environment.max_observation_tokens", "cut"),
         ({"cluster.nproc_per_node": 2}, "environment.name", "one process"),
+        ({"algorithm.kind": "ppo"}, "environment.name", "does not train on agent episodes"),
     ],
 )
 def test_validate_refuses_what_agent_episodes_do_not_read(base_config, change, path, says):

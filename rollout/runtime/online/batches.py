@@ -56,6 +56,10 @@ class RolloutBatch:
     """[B][completion_len_i]: 1 where the model wrote the token (it is trained on), 0 where the
     environment did (a multi-turn episode's messages: context only); None: every completion
     token is the model's."""
+    token_rewards: list[list[float]] | None = None
+    """[B][completion_len_i]: a multi-turn episode's per-turn rewards, each on its answer's last
+    token (environment.advantage = "turn"), for the kinds that score per token; None: `rewards`
+    on each row's last policy token."""
     samples: list[Sample] = field(default_factory=list)
     """A few completions as text, carried from an actor process to the learner that records
     them (logging.samples_per_step); not row-aligned: `select` leaves them behind."""
@@ -85,6 +89,7 @@ class RolloutBatch:
             old_values=_pick(self.old_values, indices),
             returns=_pick(self.returns, indices),
             loss_mask=_pick(self.loss_mask, indices),
+            token_rewards=_pick(self.token_rewards, indices),
         )
 
 
@@ -197,7 +202,7 @@ def to_wire(batch: RolloutBatch) -> tuple[dict[str, Any], list[torch.Tensor]]:
     scores it per token, so it has no token advantages, values or returns yet."""
     if batch.token_advantages is not None or batch.old_values is not None:
         raise ValueError("a batch crosses to the learner before it is scored per token")
-    if batch.loss_mask is not None:
+    if batch.loss_mask is not None or batch.token_rewards is not None:
         raise ValueError("multi-turn batches do not cross processes yet (the plan refuses them)")
     header = {
         "group_size": batch.group_size,

@@ -10,7 +10,9 @@ tokens the engine produced.
 
 The episode's return is the sum of its turns' rewards; its advantage is the group's estimator
 over returns (advantage = "episode"), or per answer from its return-to-go ("turn",
-rollout.algorithms.advantages.turn_advantages).
+rollout.algorithms.advantages.turn_advantages). The kinds that score per token (PPO,
+REINFORCE++) get the return on the episode's last policy token ("episode"), or each turn's reward
+on its answer's last token ("turn"): their per-token returns run over the policy's tokens only.
 """
 
 from __future__ import annotations
@@ -131,6 +133,8 @@ class _Episode:
     mask: list[int]
     logprobs: list[float]
     rewards: list[float]
+    answer_ends: list[int] = field(default_factory=list)
+    """len(tokens) after each answer: answer t is the policy's tokens before answer_ends[t]."""
     failure: str | None = None
     solved: bool = False
     text: str = ""
@@ -160,7 +164,7 @@ class EpisodeActor:
         environment: EnvironmentRunner,
         turns: TurnFormat,
         advantage: Callable[[torch.Tensor, int], torch.Tensor],
-        turn_advantage: Callable[[torch.Tensor, int], torch.Tensor],
+        turn_advantage: Callable[[torch.Tensor, int], torch.Tensor] | None,
         params: SamplingParams,
         settings: EpisodeSettings,
     ):
@@ -172,6 +176,9 @@ class EpisodeActor:
         self.turns = turns
         self.advantage = advantage
         self.turn_advantage = turn_advantage
+        """GRPO's and RLOO's per-answer advantage (advantage = "turn"); None for the kinds that
+        score per token (PPO, REINFORCE++): they get each turn's reward on its answer's last
+        token instead, and their returns give each answer the rewards from its turn on."""
         self.params = params
         self.settings = settings
         self.memory: EpisodicMemory | None = None
@@ -261,6 +268,7 @@ class EpisodeActor:
                 episode.tokens += answer.token_ids
                 episode.mask += [1] * len(answer.token_ids)
                 episode.logprobs += answer.logprobs
+                episode.answer_ends.append(len(episode.tokens))
                 episode.text = answer.text
                 episode.turns.append({"role": "assistant", "content": answer.text})
                 finishes[answer.finish_reason] += 1
@@ -341,7 +349,10 @@ class EpisodeActor:
             loss_mask=[e.mask for e in episodes] if any(0 in e.mask for e in episodes) else None,
         )
         if settings.advantage == "turn":
-            batch.token_advantages = self._per_token(episodes, returns, group)
+            if self.turn_advantage is None:
+                batch.token_rewards = [_turn_rewards(e, settings.failure_reward) for e in episodes]
+            else:
+                batch.token_advantages = self._per_token(episodes, returns, group)
         return batch
 
     def _per_token(
@@ -355,6 +366,7 @@ class EpisodeActor:
             for t in range(len(rewards)):
                 to_go[i, t] = sum(rewards[t:])
         to_go[:, 0] = returns  # a failed episode's return is failure_reward from its first turn
+        assert self.turn_advantage is not None
         advantages = self.turn_advantage(to_go, group).tolist()
         rows = []
         for i, episode in enumerate(episodes):
@@ -366,6 +378,23 @@ class EpisodeActor:
                 previous = flag
             rows.append(row)
         return rows
+
+
+def _turn_rewards(episode: _Episode, failure_reward: float) -> list[float]:
+    """The episode's tokens with each turn's reward on its answer's last token (an empty
+    answer's on the policy's last token before it), 0 elsewhere; a failed episode's
+    failure_reward on its last policy token."""
+    placed = [0.0] * len(episode.tokens)
+    written = [i for i, flag in enumerate(episode.mask) if flag]
+    if not written:
+        return placed  # nothing the policy wrote: nothing to credit
+    if episode.failure is not None:
+        placed[written[-1]] += failure_reward
+        return placed
+    for reward, end in zip(episode.rewards, episode.answer_ends, strict=True):
+        before = [i for i in written if i < end]
+        placed[before[-1] if before else written[0]] += reward
+    return placed
 
 
 def _episode_metrics(

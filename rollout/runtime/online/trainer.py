@@ -401,7 +401,10 @@ def build_actor(
             frozenset(loaded.eos_token_ids),
         ),
         advantage,
-        partial(
+        # The kinds that score per token credit each answer through their returns instead.
+        None
+        if kind.token_advantages is not None
+        else partial(
             turn_advantages,
             baseline="leave_one_out" if algo.kind == "rloo" else "mean",
             scale=getattr(algo, "scale_rewards", "none"),
