@@ -659,7 +659,7 @@ def environment_fits_the_run(config: RunConfig) -> Iterator[Issue]:
         yield Issue(
             "environment",
             f"{kind} trains on a fixed dataset: it has no episodes for an environment",
-            hint="remove [environment], or use grpo or rloo",
+            hint="remove [environment], or use an online kind (grpo, rloo, ppo, reinforce_pp)",
         )
         return
     yield from _isolation_fits(env)
