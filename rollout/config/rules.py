@@ -708,12 +708,6 @@ def environment_fits_the_run(config: RunConfig) -> Iterator[Issue]:
             hint="set data.use_chat_template = true (and model.chat_template if the model has "
             "none)",
         )
-    if config.cluster.placement is not None:
-        yield Issue(
-            "cluster.placement",
-            "multi-turn environments run with every role in each process (colocated) for now",
-            hint="remove cluster.placement",
-        )
 
 
 def _isolation_fits(env: EnvironmentSection) -> Iterator[Issue]:
@@ -769,7 +763,9 @@ def _agent_settings_fit(env: EnvironmentSection, config: RunConfig) -> Iterator[
         yield Issue(
             "environment.name",
             f"agent episodes run in one process for now (this run has {world}): each episode's "
-            "calls make a varying number of rows, which several learners cannot split alike yet",
+            "calls make a varying number of rows, which several learners cannot split alike "
+            "yet, nor can a split placement's actors send learners their fixed shares of a step "
+            "(the episode environments, guess_number, tools and plugins, run split)",
             value=env.name,
             hint="set cluster.nproc_per_node = 1, cluster.nnodes = 1, and no cluster.placement",
         )

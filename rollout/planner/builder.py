@@ -410,14 +410,15 @@ def _resolve_environment(
         )
         return None
     world = config.cluster.nnodes * config.cluster.nproc_per_node
-    if remembers and world > 1:
+    if remembers and world > 1 and not _one_actor_apart(config.cluster.placement):
         issues.append(
             Issue(
                 "environment.name",
                 f"{spec.name} keeps an episodic memory, which is kept in one process for now: "
-                f"this run has {world}",
+                f"this run has {world} that play episodes",
                 value=spec.name,
-                hint="set cluster.nproc_per_node = 1 and cluster.nnodes = 1",
+                hint="set cluster.nproc_per_node = 1 and cluster.nnodes = 1, or give one actor "
+                "a process of its own, e.g. placement = { actor = [0], learner = [1] }",
             )
         )
         return None
@@ -484,6 +485,16 @@ def _environment_sidecar(
         return None
     issues.extend(environment_sidecar_issues(spec, identity, python))
     return python
+
+
+def _one_actor_apart(placement: dict[str, list[int]] | None) -> bool:
+    """Whether a placement puts one actor on a process of its own: the only process that plays
+    episodes, so the one that keeps an environment's memory (the learners checkpoint it:
+    rollout.runtime.online.carried_memory)."""
+    if placement is None:
+        return False
+    actors = set(placement.get("actor", []))
+    return len(actors) == 1 and not actors & set(placement.get("learner", []))
 
 
 def _agent_issues(options: dict[str, Any], base: Path) -> list[Issue]:

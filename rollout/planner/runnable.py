@@ -80,14 +80,6 @@ def _placement(config: RunConfig, graph: Graph | None) -> Iterator[Issue]:
             "a disaggregated run is another rank",
             hint="remove [cluster.placement], or [model.lora] to train every weight",
         )
-    if config.data.eval is not None:
-        yield Issue(
-            "data.eval",
-            "evaluation runs on colocated placements only in this version of rollout; with "
-            "actors and learners on separate processes it would be skipped",
-            hint="set data.eval = null for this run (evaluate its checkpoints afterwards), or "
-            "remove [cluster.placement]",
-        )
     if config.eval is not None:
         yield Issue(
             "eval",

@@ -40,11 +40,6 @@ def test_a_multi_turn_environment_validates_without_rewards(base_config):
     [
         ({"rewards": [{"fn": "numeric_match"}]}, "rewards", "would be ignored"),
         ({"data": {"use_chat_template": False}}, "data.use_chat_template", "conversation"),
-        (
-            {"cluster": {"nproc_per_node": 2, "placement": {"actor": [0], "learner": [1]}}},
-            "cluster.placement",
-            "colocated",
-        ),
     ],
 )
 def test_validate_refuses_what_multi_turn_episodes_cannot_do(base_config, change, path, says):
@@ -65,6 +60,23 @@ def test_the_per_token_kinds_train_on_multi_turn_episodes(base_config, kind, adv
     raw["algorithm"]["kind"] = kind
     config = validate_config(raw)
     assert config.algorithm.kind == kind and config.environment.advantage == advantage
+
+
+SPLIT = {"nproc_per_node": 2, "placement": {"actor": [0], "learner": [1]}}
+
+
+def test_a_multi_turn_environment_validates_with_actors_and_learners_apart(base_config):
+    raw = multi_turn(base_config)
+    raw["cluster"] = {**raw.get("cluster", {}), **SPLIT}
+    config = validate_config(raw)
+    assert config.cluster.placement == {"actor": [0], "learner": [1]}
+
+
+def test_agents_with_a_split_placement_are_refused_saying_why(base_config):
+    raw = agent_config(base_config)
+    raw["cluster"] = {**raw.get("cluster", {}), **SPLIT}
+    message = issues_of(raw)["environment.name"].message
+    assert "split placement" in message and "fixed shares" in message
 
 
 def test_the_single_turn_environment_takes_no_turns_or_options(base_config):
@@ -137,7 +149,14 @@ def test_an_environment_with_memory_plans_in_one_process_only(config_file, base_
     raw["cluster"]["nproc_per_node"] = 2
     found = plan_issues(config_file, raw)
     assert "episodic memory" in found["environment.name"].message
+    # One actor on a process of its own keeps it (the learners checkpoint it); two do not.
+    raw["cluster"]["placement"] = {"actor": [0], "learner": [1]}
+    assert build_plan(config_file(raw)).environment is not None
+    raw["cluster"]["nproc_per_node"] = 3
+    raw["cluster"]["placement"] = {"actor": [0, 1], "learner": [2]}
+    assert "episodic memory" in plan_issues(config_file, raw)["environment.name"].message
     raw["cluster"]["nproc_per_node"] = 1
+    raw["cluster"].pop("placement")
     raw["environment"]["options"] = {"memory": 1}
     assert "passes itself" in plan_issues(config_file, raw)["environment.options.memory"].message
 

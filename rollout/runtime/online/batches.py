@@ -63,6 +63,10 @@ class RolloutBatch:
     samples: list[Sample] = field(default_factory=list)
     """A few completions as text, carried from an actor process to the learner that records
     them (logging.samples_per_step); not row-aligned: `select` leaves them behind."""
+    actor_memory: dict[str, Any] | None = None
+    """The actor's episodic memory (rollout.harness.memory, its JSON) as it was after sampling
+    this batch, carried to the learners that checkpoint it (a split placement: the memory lives
+    in the actor's process); not row-aligned: `select` leaves it behind."""
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -196,14 +200,23 @@ def _pad_optional(
 # --- on the wire (actor process -> learner process) ----------------------------------------------
 
 
+PER_TOKEN = (
+    ("loss_mask", torch.long),
+    ("token_advantages", torch.float32),
+    ("token_rewards", torch.float32),
+)
+"""A multi-turn batch's optional per-token rows that cross with it, in the order their tensors
+follow the five every batch has (the header says which are there)."""
+
+
 def to_wire(batch: RolloutBatch) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """A batch as a JSON header and flat tensors (rollout.runtime.weight_sync sends them): the
     ragged rows are concatenated, their lengths in the header. A batch crosses before the learner
-    scores it per token, so it has no token advantages, values or returns yet."""
-    if batch.token_advantages is not None or batch.old_values is not None:
+    scores it per token (values, returns, PPO's advantages), so it has none of those yet; a
+    multi-turn episode's rows that its actor made cross with it (`PER_TOKEN`: the loss mask,
+    per-turn advantages or per-turn rewards with environment.advantage = "turn")."""
+    if batch.old_values is not None or batch.returns is not None:
         raise ValueError("a batch crosses to the learner before it is scored per token")
-    if batch.loss_mask is not None or batch.token_rewards is not None:
-        raise ValueError("multi-turn batches do not cross processes yet (the plan refuses them)")
     header = {
         "group_size": batch.group_size,
         "policy_version": batch.policy_version,
@@ -211,23 +224,35 @@ def to_wire(batch: RolloutBatch) -> tuple[dict[str, Any], list[torch.Tensor]]:
         "completion_lengths": [len(c) for c in batch.completion_ids],
         "texts": list(batch.texts),
         "samples": [asdict(sample) for sample in batch.samples],
+        **{name: getattr(batch, name) is not None for name, _ in PER_TOKEN},
     }
+    if batch.actor_memory is not None:
+        header["actor_memory"] = batch.actor_memory
     tensors = [
         torch.tensor([t for p in batch.prompt_ids for t in p], dtype=torch.long, device="cpu"),
         torch.tensor([t for c in batch.completion_ids for t in c], dtype=torch.long, device="cpu"),
-        torch.tensor(
-            [x for row in batch.old_logprobs for x in row], dtype=torch.float32, device="cpu"
-        ),
+        _flat(batch.old_logprobs, torch.float32),
         batch.rewards.float().cpu(),
         batch.advantages.float().cpu(),
     ]
+    for name, dtype in PER_TOKEN:
+        rows = getattr(batch, name)
+        if rows is not None:
+            tensors.append(_flat(rows, dtype))
     return header, tensors
 
 
 def from_wire(header: dict[str, Any], tensors: list[torch.Tensor]) -> RolloutBatch:
-    """The inverse of `to_wire`."""
-    prompts, completions, logprobs, rewards, advantages = tensors
+    """The inverse of `to_wire` (a header without the PER_TOKEN flags, from a buffer saved
+    before they existed, has none of those rows)."""
+    prompts, completions, logprobs, rewards, advantages, *optional = tensors
     completion_lengths = header["completion_lengths"]
+    following = iter(optional)
+    per_token = {
+        name: _split(next(following).tolist(), completion_lengths)
+        for name, _ in PER_TOKEN
+        if header.get(name)
+    }
     return RolloutBatch(
         prompt_ids=_split(prompts.tolist(), header["prompt_lengths"]),
         completion_ids=_split(completions.tolist(), completion_lengths),
@@ -238,14 +263,19 @@ def from_wire(header: dict[str, Any], tensors: list[torch.Tensor]) -> RolloutBat
         policy_version=header["policy_version"],
         texts=header["texts"],
         samples=[Sample(**sample) for sample in header.get("samples", [])],
+        actor_memory=header.get("actor_memory"),
+        **per_token,
     )
 
 
 def concat(parts: list[RolloutBatch]) -> RolloutBatch:
-    """Batches one after another (shares of one step, from several actors)."""
+    """Batches one after another (shares of one step, from several actors). A multi-turn part
+    without environment tokens has no loss mask (every token is the model's): beside parts
+    that have one, its mask is all ones. The actor memory is the first part's that has one."""
     first = parts[0]
-    if any(part.loss_mask is not None for part in parts):
-        raise ValueError("multi-turn batches do not cross processes yet (the plan refuses them)")
+    if any(part.old_values is not None or part.returns is not None for part in parts):
+        raise ValueError("a batch crosses to the learner before it is scored per token")
+    memories = [part.actor_memory for part in parts if part.actor_memory is not None]
     return RolloutBatch(
         prompt_ids=[row for part in parts for row in part.prompt_ids],
         completion_ids=[row for part in parts for row in part.completion_ids],
@@ -255,8 +285,38 @@ def concat(parts: list[RolloutBatch]) -> RolloutBatch:
         group_size=first.group_size,
         policy_version=min(part.policy_version for part in parts),
         texts=[text for part in parts for text in part.texts],
+        token_advantages=_every_or_none(parts, "token_advantages"),
+        token_rewards=_every_or_none(parts, "token_rewards"),
+        loss_mask=_masks(parts),
         samples=[sample for part in parts for sample in part.samples],
+        actor_memory=memories[0] if memories else None,
     )
+
+
+def _masks(parts: list[RolloutBatch]) -> list[list[int]] | None:
+    """The parts' loss masks one after another; a part without one (its episodes were single
+    answers: every token the model's) gives all ones; None when no part has one."""
+    if all(part.loss_mask is None for part in parts):
+        return None
+    rows = []
+    for part in parts:
+        rows += part.loss_mask or [[1] * len(c) for c in part.completion_ids]
+    return rows
+
+
+def _every_or_none(parts: list[RolloutBatch], name: str) -> list[list[float]] | None:
+    """The parts' per-turn rows of `name` one after another (every actor of a run makes them,
+    or none does)."""
+    present = [getattr(part, name) is not None for part in parts]
+    if not any(present):
+        return None
+    if not all(present):
+        raise ValueError(f"some shares of the step have {name}, some not")
+    return [row for part in parts for row in getattr(part, name)]
+
+
+def _flat(rows: list[list[Any]], dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor([x for row in rows for x in row], dtype=dtype, device="cpu")
 
 
 def _split(flat: list, lengths: list[int]) -> list[list]:

@@ -31,16 +31,19 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from rollout.harness.memory import MEMORY_DIR
 from rollout.runtime import transport, weight_sync
 from rollout.runtime.context import WorkerContext
-from rollout.runtime.online import shared_prompts
+from rollout.runtime.online import carried_memory, shared_prompts, split_eval
 from rollout.runtime.online import trainer as colocated
 from rollout.runtime.online.algorithms import ALGORITHMS
 from rollout.runtime.online.batches import RolloutBatch, concat, from_wire, to_wire
+from rollout.runtime.online.carried_memory import CarriedMemory
 from rollout.runtime.online.pending import BUFFER, PendingBatches, gather_shares, write_shares
 from rollout.runtime.online.prompts import load_data
 from rollout.runtime.online.staleness import StaleCorrection
@@ -72,9 +75,28 @@ def _act(ctx: WorkerContext, groups: weight_sync.Groups) -> None:
     kind = ALGORITHMS[plan.config.algorithm.kind]
     loaded, model, _ = colocated._load_policy(ctx)
     engine = colocated._build_engine(ctx, loaded, model)
-    actor = colocated._build_actor(
-        ctx, engine, colocated._prompt_format(plan.config, loaded), kind, loaded
-    )
+    # The single-turn actor, or with [environment] the episode actor: the environment (and its
+    # sidecar, if it has one) lives in this process, and stops with it.
+    prompt_format = colocated._prompt_format(plan.config, loaded)
+    actor = colocated._build_actor(ctx, engine, prompt_format, kind, loaded)
+    evaluation = split_eval.ActorEvaluation(ctx, groups, actor, engine, prompt_format)
+    try:
+        _act_with(ctx, groups, actor, engine, model, evaluation)
+    finally:
+        close = getattr(actor, "close", None)
+        if callable(close):
+            close()
+
+
+def _act_with(
+    ctx: WorkerContext,
+    groups: weight_sync.Groups,
+    actor,
+    engine,
+    model: torch.nn.Module,
+    evaluation: split_eval.ActorEvaluation,
+) -> None:
+    plan = ctx.plan
     index = groups.actors.index(ctx.rank)
     # One actor takes every prompt; several share each step's through the work queue.
     queued = len(groups.actors) > 1
@@ -83,27 +105,39 @@ def _act(ctx: WorkerContext, groups: weight_sync.Groups) -> None:
     staleness = plan.config.algorithm.max_staleness
     total = plan.derived.total_steps
 
+    in_flight: list[weight_sync.Sent] = []
+    memory = getattr(actor, "memory", None)  # an environment's episodic memory, if it keeps one
+
+    def take() -> dict[str, Any]:
+        """The next weights; then, when that version is due, its evaluation (split_eval)."""
+        header = _take_weights(groups, engine, model)
+        if not header.get("stop"):
+            carried_memory.restore(memory, header)  # the first carries the checkpoint's
+            in_flight.extend(evaluation.after_loading(header["version"]))
+        return header
+
     # The first sync: the learner's weights as it starts (resumed or not), the step it is at,
     # and how many batches after it the learners already hold (a checkpoint's pending batches).
-    header = _take_weights(groups, engine, model)
+    header = take()
     start = header["step"]
     first = start + header["ahead"] + 1
     prompts.skip(first - 1)
-    in_flight: list[weight_sync.Sent] = []
     log.info("actor %d generating steps %d..%d (max staleness %d)", index, first, total, staleness)
     for step in range(first, total + 1):
         if ctx.activity is not None:
             ctx.activity.at_step(step)
         # Batch `step` is sampled with version step - 1 - k exactly: deterministic staleness.
         # Resumed at s with its k batches ahead held, the first, s + k + 1, takes version s.
-        waited = time.perf_counter()
+        waited, evaluated = time.perf_counter(), evaluation.seconds
         while engine.policy_version < max(start, step - 1 - staleness):
-            header = _take_weights(groups, engine, model)
+            header = take()
             if header.get("stop"):
                 return
-        wait_s = time.perf_counter() - waited
-        in_flight = [sent for sent in in_flight if not sent.done()]
-        if queued:
+        wait_s = time.perf_counter() - waited - (evaluation.seconds - evaluated)
+        in_flight[:] = [sent for sent in in_flight if not sent.done()]
+        if memory is not None:
+            memory.step = step  # what the environment writes now carries the step
+        if queued:  # an environment with memory has one actor (the plan sees to it)
             in_flight += shared_prompts.act_on_step(
                 ctx, groups, actor, step, start, prompts.take(), {"perf/actor_wait_s": wait_s}
             )
@@ -117,12 +151,14 @@ def _act(ctx: WorkerContext, groups: weight_sync.Groups) -> None:
             share = rollout.batch.select(list(range(lo, hi)))
             if learner == groups.learners[0]:  # it records the first few of the step
                 share.samples = rollout.samples[lo:hi][:limit]
+                if memory is not None:  # and checkpoints the memory
+                    share.actor_memory = memory.to_json()
             wire, tensors = to_wire(share)
             wire.update(step=step, metrics=metrics)
             in_flight.append(weight_sync.send_message(wire, tensors, learner))
     # The learners sync after every step: take the versions still owed, so the broadcasts match.
     while engine.policy_version < total and not header.get("stop"):
-        header = _take_weights(groups, engine, model)
+        header = take()
     for sent in in_flight:
         sent.wait()
 
@@ -200,7 +236,8 @@ def _learn(ctx: WorkerContext, writer: BackgroundWriter, groups: weight_sync.Gro
     start = 0
     pending = PendingBatches()  # batches received ahead of their step, saved with checkpoints
     read_pending = functools.partial(pending.read, index=ctx.seed_index)
-    resumed = checkpoints.resume(ctx, {BUFFER: read_pending})
+    memory = CarriedMemory()  # the actor's episodic memory, saved with checkpoints
+    resumed = checkpoints.resume(ctx, {BUFFER: read_pending, MEMORY_DIR: memory.read})
     if resumed is not None:
         start = resumed["step"]
         if pending.steps() != list(range(start + 1, start + 1 + len(pending))):
@@ -208,18 +245,22 @@ def _learn(ctx: WorkerContext, writer: BackgroundWriter, groups: weight_sync.Gro
                 f"the checkpoint of step {start} holds pending batches of steps "
                 f"{pending.steps()}, not the steps right after it"
             )
+    # The first learner records the actors' evaluations of the due versions, in their order.
+    evaluations = split_eval.LearnerEvaluation(ctx, writer, groups, start)
+    receive = functools.partial(_receive_step, memory=memory, evaluations=evaluations)
     # The first learner broadcasts a snapshot of the weights without waiting for the actors to
     # take it, and waits for that broadcast only before its next one (or its stop, or its end).
     publisher = weight_sync.WeightPublisher(groups) if main else None
     weights = whole_weights(model)  # every learner takes part when the model is sharded
     if publisher is not None:
-        publisher.publish(weights, {"version": start, "step": start, "ahead": len(pending)})
+        first = {"version": start, "step": start, "ahead": len(pending), **memory.header()}
+        publisher.publish(weights, first)
     total = plan.derived.total_steps
     log.info("training %s for steps %d..%d", algo.kind, start + 1, total)
     for step in range(start + 1, total + 1):
         if ctx.stop.is_set():
             log.warning("stop requested: checkpointing at step %d and exiting", step - 1)
-            _checkpoint(ctx, writer, groups, checkpoints, pending, step - 1, start)
+            _checkpoint(ctx, writer, groups, checkpoints, pending, memory, receive, step - 1, start)
             if publisher is not None:
                 publisher.stop({"version": step - 1, "step": step - 1})
             return
@@ -228,7 +269,7 @@ def _learn(ctx: WorkerContext, writer: BackgroundWriter, groups: weight_sync.Gro
         started = time.perf_counter()
         clock = PhaseClock(ctx.device)
         with clock.phase("receive"):
-            batch, actor_metrics = pending.take(step) or _receive_step(ctx, groups, step, start)
+            batch, actor_metrics = pending.take(step) or receive(ctx, groups, step, start)
         metrics = dict(actor_metrics)
         # The policy about to train is version step - 1; the batch was sampled by an older one.
         staleness = step - 1 - batch.policy_version
@@ -263,9 +304,10 @@ def _learn(ctx: WorkerContext, writer: BackgroundWriter, groups: weight_sync.Gro
         record_metrics(ctx, writer, step, metrics)
         record_samples(ctx, writer, step, batch.samples)
         if step == total or step % plan.config.checkpoint.interval == 0:
-            _checkpoint(ctx, writer, groups, checkpoints, pending, step, start)
+            _checkpoint(ctx, writer, groups, checkpoints, pending, memory, receive, step, start)
     if publisher is not None:
         publisher.wait()  # the last broadcast, before the process group goes
+    evaluations.take_through(total)  # those of the last versions, after the last batch
 
 
 def _checkpoint(
@@ -274,6 +316,8 @@ def _checkpoint(
     groups: weight_sync.Groups,
     checkpoints: RunState,
     pending: PendingBatches,
+    memory: CarriedMemory,
+    receive: Callable[..., tuple[RolloutBatch, dict[str, float]]],
     step: int,
     start: int,
 ) -> None:
@@ -288,22 +332,36 @@ def _checkpoint(
     if step > 0:  # a checkpoint of step 0 is not written
         for ahead in range(step + 1, last + 1):
             if ahead not in pending:
-                pending.put(ahead, *_receive_step(ctx, groups, ahead, start))
-    loop_files = {}
+                pending.put(ahead, *receive(ctx, groups, ahead, start))
+    loop_files: dict[str, Any] = {}
     if len(pending):  # as many on every learner: they receive the same steps
         shares = gather_shares(ctx, pending)
         loop_files[BUFFER] = functools.partial(write_shares, shares=shares)
+    if memory.state is not None:  # the actor's after batch `last`, where a resumed one goes on
+        loop_files[MEMORY_DIR] = memory.write
     checkpoints.save(ctx, writer, step, {"policy_version": step}, loop_files)
 
 
 def _receive_step(
-    ctx: WorkerContext, groups: weight_sync.Groups, step: int, start: int
+    ctx: WorkerContext,
+    groups: weight_sync.Groups,
+    step: int,
+    start: int,
+    memory: CarriedMemory,
+    evaluations: split_eval.LearnerEvaluation,
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """This learner's share of batch `step` and the step's actor metrics: from the lone actor,
-    or from the actors sharing the step's prompts through the work queue."""
+    or from the actors sharing the step's prompts through the work queue. Before it, the
+    evaluations the actors sent first (of the versions they loaded to sample it); the actor's
+    memory the batch carries (if any) is now the newest."""
+    staleness = ctx.plan.config.algorithm.max_staleness
+    evaluations.take_through(max(start, step - 1 - staleness))
     if len(groups.actors) > 1:
-        return shared_prompts.receive_step(ctx, groups, step, start)
-    return _receive(groups, step)
+        batch, metrics = shared_prompts.receive_step(ctx, groups, step, start)
+    else:
+        batch, metrics = _receive(groups, step)
+    memory.take(batch)
+    return batch, metrics
 
 
 def _receive(groups: weight_sync.Groups, step: int) -> tuple[RolloutBatch, dict[str, float]]:

@@ -251,6 +251,11 @@ class EpisodeActor:
         )
         return dict(zip(names, map(float, sums), strict=True)), len(episodes)
 
+    def close(self) -> None:
+        """The environment's own close (a sidecar's process, a tool's sandbox) as the run ends,
+        in whichever process plays the episodes."""
+        self.environment.close()
+
     def _play(
         self, episodes: list[_Episode], seed: int, params: SamplingParams
     ) -> tuple[float, Counter[str]]:

@@ -231,24 +231,36 @@ def _evaluate(
         roles.suites.run(ctx, writer, step)
     if not ctx.plan.derived.evaluates:
         return
-    environment = ctx.plan.config.environment
-    samples = ctx.plan.config.run.eval_samples
-    # The same seed at every evaluation: each compares the policy on the same draws.
-    seed = derive_seed(ctx.plan.seeds.sampling, "eval")
-    if environment is not None and not environment.is_single_turn:
-        assert isinstance(roles.actor, EpisodeActor | AgentActor)
-        sums, count = roles.actor.evaluate(rows, seed=seed, samples=samples)
-    else:
-        sums, count = evaluate(
-            roles.engine,
-            roles.prompt_format,
-            roles.actor.rewards,
-            rows,
-            ctx.plan.config.generation,
-            samples=samples,
-            seed=seed,
-        )
+    sums, count = evaluation_sums(ctx.plan, roles.actor, roles.engine, roles.prompt_format, rows)
     record_means(ctx, writer, step, sums, count)
+
+
+def evaluation_sums(
+    plan: Plan,
+    actor: Actor | EpisodeActor | AgentActor,
+    engine: Engine,
+    prompt_format: PromptFormat,
+    rows: list[dict[str, Any]],
+) -> tuple[dict[str, float], int]:
+    """The held-out metrics' sums over `rows` (this rank's shard) and how many samples they
+    cover, played where the actor (and its environment) is: one greedy completion or episode
+    per row, or run.eval_samples sampled ones."""
+    environment = plan.config.environment
+    samples = plan.config.run.eval_samples
+    # The same seed at every evaluation: each compares the policy on the same draws.
+    seed = derive_seed(plan.seeds.sampling, "eval")
+    if environment is not None and not environment.is_single_turn:
+        assert isinstance(actor, EpisodeActor | AgentActor)
+        return actor.evaluate(rows, seed=seed, samples=samples)
+    return evaluate(
+        engine,
+        prompt_format,
+        actor.rewards,
+        rows,
+        plan.config.generation,
+        samples=samples,
+        seed=seed,
+    )
 
 
 def _build_roles(ctx: WorkerContext) -> Roles:
