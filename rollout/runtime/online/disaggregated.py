@@ -1,8 +1,10 @@
 """The online loop with actors and learners on processes of their own (a placement such as
 { actor = [0], learner = [1] }).
 
-Actor ranks hold the engine and the rewards: they generate and score a batch per step and send
-each learner its share of it. One actor takes every prompt of a step; several share each step's
+Actor ranks hold the engine and the rewards (and a multi-turn environment, with its sidecar and
+episodic memory: rollout.runtime.online.carried_memory): they generate and score a batch per
+step (or play its episodes) and send each learner its share of it, and play the held-out
+evaluation of each due policy version (rollout.runtime.online.split_eval). One actor takes every prompt of a step; several share each step's
 prompts through the work queue (rollout.runtime.online.shared_prompts), chunk by chunk. Learner
 ranks hold the policy, its optimizer (and reference, critic): they train on the step's batch as
 colocated ranks do, and after each step the first learner broadcasts the policy to every actor:
