@@ -1198,20 +1198,21 @@ SECTION_CASES: dict[str, list[Case]] = {
     # No GPU here: refused. Where there is one, the graph's device differs.
     "cluster.device": [plan_shows("grpo", {"cluster.device": "cuda"}, lambda p: p.graph.device)],
     "cluster.placement": [
+        # The reward placed away from the actor it follows.
         refused(
             "grpo",
             {
-                "cluster.placement": {"actor": [0], "reward": [0], "learner": [1]},
+                "cluster.placement": {"actor": [0], "reward": [1], "learner": [1]},
                 "cluster.nproc_per_node": 2,
             },
         ),
-        # Actors and learners apart (tests/integration/test_run_disaggregated.py runs it).
+        # Actors and learners apart, evaluating on the actor (tests/integration/
+        # test_run_disaggregated.py and test_run_split_episodes.py run them).
         plan_shows(
             "grpo",
             {
                 "cluster.placement": {"actor": [0], "learner": [1]},
                 "cluster.nproc_per_node": 2,
-                "data.eval": DELETE,
             },
             lambda plan: [process.roles for process in plan.graph.processes],
         ),
