@@ -89,14 +89,22 @@ def _series(store, run_id: str, name: str) -> list[float]:
 
 
 @pytest.mark.parametrize(
-    ("advantage", "eval_samples"), [("episode", 1), ("turn", 2)], ids=["episode", "turn"]
+    ("kind", "advantage", "eval_samples"),
+    [("grpo", "episode", 1), ("grpo", "turn", 2), ("reinforce_pp", "turn", 1)],
+    ids=["grpo-episode", "grpo-turn", "reinforce_pp-turn"],
 )
-def test_guess_number_split_matches_the_colocated_run(workdir, advantage, eval_samples):
+def test_guess_number_split_matches_the_colocated_run(workdir, kind, advantage, eval_samples):
     """max_staleness = 0: the actor plays the games colocated rank 0 plays, with its seeds and
-    weights, so the learner (given the episodes' loss mask, and per-turn advantages) computes
-    the colocated numbers: had the environment's tokens entered its loss, train/loss would
-    differ. The actor plays the held-out episodes too (greedy, or run.eval_samples sampled)."""
-    settings = (*GUESS, f"environment.advantage={advantage}", f"run.eval_samples={eval_samples}")
+    weights, so the learner (given the episodes' loss mask, and per-turn advantages, or per-turn
+    rewards it scores per token) computes the colocated numbers: had the environment's tokens
+    entered its loss, train/loss would differ. The actor plays the held-out episodes too
+    (greedy, or run.eval_samples sampled)."""
+    settings = (
+        *GUESS,
+        f"algorithm.kind={kind}",
+        f"environment.advantage={advantage}",
+        f"run.eval_samples={eval_samples}",
+    )
     _run(workdir, "examples/guess-number.toml", *settings)
     _run(workdir, "examples/guess-number.toml", *settings, *SPLIT)
     store, (colocated, split) = _runs(workdir)

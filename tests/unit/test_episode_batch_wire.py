@@ -76,6 +76,15 @@ def test_a_multi_turn_batch_survives_the_wire() -> None:
     assert got.num_completion_tokens == 5
 
 
+def test_per_turn_rewards_cross_for_the_kinds_that_score_per_token() -> None:
+    sent = _episodes()
+    sent.token_advantages = None  # PPO, REINFORCE++: the learner scores the turns' rewards
+    sent.token_rewards = [[0.0, 0.0, 0.0, 0.0, 1.0], [0.0, 0.25]]
+    got = from_wire(_through_json(to_wire(sent)[0]), to_wire(sent)[1])
+    assert got.token_rewards == sent.token_rewards and got.token_advantages is None
+    assert got.loss_mask == sent.loss_mask
+
+
 def test_a_batch_without_episode_rows_sends_no_mask_and_reads_as_before() -> None:
     plain = _episodes()
     plain.loss_mask = plain.token_advantages = plain.actor_memory = None
