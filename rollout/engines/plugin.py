@@ -5,8 +5,12 @@ of an entry point in the `rollout.engines` group) is a factory called once per e
 EngineSpec, what build_engine was given, and returning an object with the Engine Protocol's
 members (rollout.engines.base.Engine). The easiest plugin wraps the built-in hf engine:
 
+    class MyEngine(WrappedEngine):          # delegates every member to the hf engine...
+        def generate(self, prompts, params): # ...but the one it changes
+            ...
+
     def make(spec):
-        return MyEngine(spec.hf_engine())   # MyEngine delegates, adding what it adds
+        return MyEngine(spec.hf_engine())
 
 Two checks keep a wrong plugin one clear error: `factory_problems` when the reference is resolved
 (at plan, or by a command that takes --engine: it is callable with one argument and, where a
@@ -81,6 +85,36 @@ class EngineSpec:
             cuda_graphs=self.cuda_graphs,
             max_context=self.max_context,
         )
+
+
+class WrappedEngine:
+    """An engine that delegates every member to another (`inner`, usually `spec.hf_engine()`):
+    a plugin that changes one thing subclasses it and overrides that one method.
+
+        class Marking(WrappedEngine):
+            def generate(self, prompts, params):
+                return [replace(c, text="[m]" + c.text) for c in super().generate(prompts, params)]
+    """
+
+    def __init__(self, inner: Engine):
+        self.inner = inner
+
+    def generate(self, prompts: Any, params: Any) -> Any:
+        return self.inner.generate(prompts, params)
+
+    def load_weights(self, weights: Any, version: int) -> None:
+        self.inner.load_weights(weights, version)
+
+    @property
+    def policy_version(self) -> int:
+        return self.inner.policy_version
+
+    @property
+    def stats(self) -> Any:
+        return self.inner.stats
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 def missing_members(obj: Any, *, instance: bool = True) -> list[str]:

@@ -246,14 +246,15 @@ _TEMPLATES = {
         import dataclasses
         import logging
 
+        from rollout.engines.plugin import WrappedEngine
+
         log = logging.getLogger(__name__)
 
         BLANK_LINE = "\\n\\n"
 
 
-        class {camel}:
-            def __init__(self, inner):
-                self.inner = inner
+        class {camel}(WrappedEngine):
+            # Every member goes to the hf engine (WrappedEngine) but generate.
 
             def generate(self, prompts, params):
                 stop = tuple(dict.fromkeys((*params.stop, BLANK_LINE)))
@@ -261,20 +262,6 @@ _TEMPLATES = {
                 tokens = sum(len(completion.token_ids) for completion in completions)
                 log.info("{name}: %d prompt(s) -> %d token(s)", len(prompts), tokens)
                 return completions
-
-            def load_weights(self, weights, version):
-                self.inner.load_weights(weights, version)
-
-            @property
-            def policy_version(self):
-                return self.inner.policy_version
-
-            @property
-            def stats(self):
-                return self.inner.stats
-
-            def close(self):
-                self.inner.close()
 
 
         def {name}(spec) -> {camel}:

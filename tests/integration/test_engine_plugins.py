@@ -18,13 +18,12 @@ MARKING_ENGINE = """
 import dataclasses
 import os
 
+from rollout.engines.plugin import WrappedEngine
+
 CALLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine-calls.txt")
 
 
-class Marking:
-    def __init__(self, inner):
-        self.inner = inner
-
+class Marking(WrappedEngine):
     def generate(self, prompts, params):
         with open(CALLS, "a") as file:
             file.write(f"{len(prompts)} {params.n}\\n")
@@ -32,20 +31,6 @@ class Marking:
             dataclasses.replace(c, text="[marked]" + c.text)
             for c in self.inner.generate(prompts, params)
         ]
-
-    def load_weights(self, weights, version):
-        self.inner.load_weights(weights, version)
-
-    @property
-    def policy_version(self):
-        return self.inner.policy_version
-
-    @property
-    def stats(self):
-        return self.inner.stats
-
-    def close(self):
-        self.inner.close()
 
 
 def make(spec):

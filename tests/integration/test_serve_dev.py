@@ -22,32 +22,17 @@ WAIT_S = 60
 ENGINE = """
 import dataclasses
 
+from rollout.engines.plugin import WrappedEngine
+
 MARK = "{mark}"
 
 
-class Marking:
-    def __init__(self, inner):
-        self.inner = inner
-
+class Marking(WrappedEngine):
     def generate(self, prompts, params):
         return [
             dataclasses.replace(c, text=MARK + c.text)
             for c in self.inner.generate(prompts, params)
         ]
-
-    def load_weights(self, weights, version):
-        self.inner.load_weights(weights, version)
-
-    @property
-    def policy_version(self):
-        return self.inner.policy_version
-
-    @property
-    def stats(self):
-        return self.inner.stats
-
-    def close(self):
-        self.inner.close()
 
 
 def make(spec):

@@ -372,32 +372,17 @@ def test_scorers_builtin_and_plugin(tmp_path):
 ENGINES = """
 import dataclasses
 
+from rollout.engines.plugin import WrappedEngine
 
-class Marked:
+
+class Marked(WrappedEngine):
     \"\"\"The built-in hf engine, every completion's text marked.\"\"\"
-
-    def __init__(self, inner):
-        self.inner = inner
 
     def generate(self, prompts, params):
         return [
             dataclasses.replace(c, text="[marked]" + c.text)
             for c in self.inner.generate(prompts, params)
         ]
-
-    def load_weights(self, weights, version):
-        self.inner.load_weights(weights, version)
-
-    @property
-    def policy_version(self):
-        return self.inner.policy_version
-
-    @property
-    def stats(self):
-        return self.inner.stats
-
-    def close(self):
-        self.inner.close()
 
 
 def make(spec):
