@@ -13,25 +13,21 @@ its call has not started.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
-from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-from rollout.engines.base import Engine, EngineStats, SamplingParams
+from rollout.engines.base import Engine, SamplingParams
 from rollout.engines.service import (
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MAX_REQUESTS,
+    QueuedService,
     RequestHandle,
-    ServiceBusy,
-    ServiceClosed,
 )
 
 log = logging.getLogger("rollout.engines.batch_service")
 
 
-class BatchService:
+class BatchService(QueuedService):
     """Runs an engine's generate in a background thread for concurrent callers; the service owns
     the engine while it runs."""
 
@@ -43,79 +39,20 @@ class BatchService:
         max_batch_size: int | None = None,
         max_requests: int = DEFAULT_MAX_REQUESTS,
     ) -> None:
-        self._engine = engine
-        self._max_width = max_batch_size or DEFAULT_MAX_BATCH_SIZE
-        self._max_requests = max_requests
-        self._decode = partial(tokenizer.decode, skip_special_tokens=True)
-        self._lock = threading.Condition()
-        self._inbox: list[RequestHandle] = []
-        self._in_flight = 0
-        self._live_rows = 0
-        self._closing = False
-        self._thread = threading.Thread(target=self._run, name="rollout-engine", daemon=True)
-        self._thread.start()
+        super().__init__(
+            engine,
+            partial(tokenizer.decode, skip_special_tokens=True),
+            max_width=max_batch_size or DEFAULT_MAX_BATCH_SIZE,
+            max_requests=max_requests,
+        )
 
     @property
     def engine(self) -> Engine:
         return self._engine
 
-    @property
-    def stats(self) -> EngineStats:
-        return self._engine.stats
-
-    @property
-    def closing(self) -> bool:
-        return self._closing
-
-    @property
-    def occupancy(self) -> tuple[int, int]:
-        """(completions in the generate call running now, the batch size asked for)."""
-        return self._live_rows, self._max_width
-
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> RequestHandle:
-        return self.submit_many([prompt_ids], [params])[0]
-
-    def submit_many(
-        self,
-        prompts: Sequence[Sequence[int]],
-        params: Sequence[SamplingParams],
-        *,
-        notify: Callable[[], None] | None = None,
-    ) -> list[RequestHandle]:
-        """As EngineService.submit_many: one handle per prompt, their events on one queue."""
-        if len(prompts) != len(params):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameters")
-        if any(len(prompt) == 0 for prompt in prompts):
+    def _prepare(self, handle: RequestHandle) -> None:
+        if not handle.prompt_ids:
             raise ValueError("a prompt has no tokens: every prompt needs at least one")
-        events: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        handles = [
-            RequestHandle(list(prompt), each, self._decode, events=events, tag=tag, notify=notify)
-            for tag, (prompt, each) in enumerate(zip(prompts, params, strict=True))
-        ]
-        for handle in handles:
-            handle._group = handles
-        with self._lock:
-            if self._closing:
-                raise ServiceClosed("the service is shutting down")
-            if self._in_flight + len(handles) > self._max_requests:
-                raise ServiceBusy(f"{self._in_flight} requests are already queued or running")
-            self._in_flight += len(handles)
-            self._inbox.extend(handles)
-            self._lock.notify()
-        return handles
-
-    def close(self, timeout: float | None = None) -> None:
-        """Take no new requests, finish those in flight, stop the thread."""
-        with self._lock:
-            self._closing = True
-            self._lock.notify()
-        self._thread.join(timeout)
-
-    def __enter__(self) -> BatchService:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # --- the engine thread ---------------------------------------------------------------------
 

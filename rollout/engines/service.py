@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -240,23 +240,21 @@ class EventMerger:
         return None
 
 
-class EngineService:
-    """Runs an HfEngine in a background thread for concurrent callers. The service owns the
-    engine while it runs: nothing else may call it until close() returns."""
+_Service = TypeVar("_Service", bound="QueuedService")
+
+
+class QueuedService:
+    """What every generation service shares: a background thread that owns an engine, an inbox
+    of requests under one lock, submit/submit_many/close. A subclass says how a handle is
+    prepared for its engine (`_prepare`) and what the thread does (`_run`)."""
 
     def __init__(
-        self,
-        engine: HfEngine,
-        *,
-        max_batch_size: int | None = None,
-        max_requests: int = DEFAULT_MAX_REQUESTS,
+        self, engine: Any, decode: Callable[[list[int]], str], *, max_width: int, max_requests: int
     ) -> None:
-        """`max_batch_size` caps the rows decoded together (default: the engine's, else
-        DEFAULT_MAX_BATCH_SIZE); `max_requests` caps those queued or running."""
         self._engine = engine
-        self._max_width = max_batch_size or engine.max_batch_size or DEFAULT_MAX_BATCH_SIZE
+        self._max_width = max_width
         self._max_requests = max_requests
-        self._decode = partial(engine.tokenizer.decode, skip_special_tokens=True)
+        self._decode = decode
         self._lock = threading.Condition()
         self._inbox: list[RequestHandle] = []
         self._in_flight = 0
@@ -266,12 +264,11 @@ class EngineService:
         self._thread.start()
 
     @property
-    def engine(self) -> HfEngine:
+    def engine(self) -> Any:
         return self._engine
 
     @property
     def stats(self) -> EngineStats:
-        """The engine's counters; extra["max_live_rows"] is the most rows ever sampled at once."""
         return self._engine.stats
 
     @property
@@ -280,8 +277,8 @@ class EngineService:
 
     @property
     def occupancy(self) -> tuple[int, int]:
-        """(rows sampled together at the last step, the most the batch takes): how full the
-        engine's batch is, for /metrics. Read without the lock: a scrape may see a step old."""
+        """(rows sampled together at the last step or call, the most the batch takes): how full
+        the engine's batch is, for /metrics. Read without the lock: a scrape may see a step old."""
         return self._live_rows, self._max_width
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> RequestHandle:
@@ -314,9 +311,7 @@ class EngineService:
         ]
         for handle in handles:
             handle._group = handles
-            handle._rows = self._engine.rows(handle.prompt_ids, handle.params)
-            for sample, row in enumerate(handle._rows):
-                row.listener = partial(handle._on_token, sample)
+            self._prepare(handle)
         with self._lock:
             if self._closing:
                 raise ServiceClosed("the service is shutting down")
@@ -335,11 +330,52 @@ class EngineService:
             self._lock.notify()
         self._thread.join(timeout)
 
-    def __enter__(self) -> EngineService:
+    def __enter__(self: _Service) -> _Service:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _prepare(self, handle: RequestHandle) -> None:
+        """Ready a handle for this service's engine, in the caller's thread (may raise)."""
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class EngineService(QueuedService):
+    """Runs an HfEngine in a background thread for concurrent callers. The service owns the
+    engine while it runs: nothing else may call it until close() returns."""
+
+    def __init__(
+        self,
+        engine: HfEngine,
+        *,
+        max_batch_size: int | None = None,
+        max_requests: int = DEFAULT_MAX_REQUESTS,
+    ) -> None:
+        """`max_batch_size` caps the rows decoded together (default: the engine's, else
+        DEFAULT_MAX_BATCH_SIZE); `max_requests` caps those queued or running."""
+        super().__init__(
+            engine,
+            partial(engine.tokenizer.decode, skip_special_tokens=True),
+            max_width=max_batch_size or engine.max_batch_size or DEFAULT_MAX_BATCH_SIZE,
+            max_requests=max_requests,
+        )
+
+    @property
+    def engine(self) -> HfEngine:
+        return self._engine
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's counters; extra["max_live_rows"] is the most rows ever sampled at once."""
+        return self._engine.stats
+
+    def _prepare(self, handle: RequestHandle) -> None:
+        handle._rows = self._engine.rows(handle.prompt_ids, handle.params)
+        for sample, row in enumerate(handle._rows):
+            row.listener = partial(handle._on_token, sample)
 
     # --- the engine thread ---------------------------------------------------------------------
 
