@@ -93,7 +93,6 @@ class _Resetter:
         self._stuck = False
 
     def __call__(self, record: Mapping[str, Any]) -> Any:
-        from rollout.harness.deadline import Overran, Raised, call_with_deadline
 
         if self._stuck:
             return None
@@ -112,6 +111,17 @@ class _Resetter:
         row = dict(record)
         for role, name in self._roles.items():
             row[role] = record.get(name)
+        try:
+            return self._open(row)
+        except OpeningFailed:
+            # One failure is the plan's error: the records after it are not opened (a reset that
+            # fails on every record would otherwise be the same error once per record).
+            self._stuck = True
+            raise
+
+    def _open(self, row: dict[str, Any]) -> str:
+        from rollout.harness.deadline import Overran, Raised, call_with_deadline
+
         if self._environment is None:
             self._environment = self._build()
         started = time.perf_counter()
@@ -122,7 +132,6 @@ class _Resetter:
                 name=f"plan:{self._spec.name}.reset",
             )
         except Overran:
-            self._stuck = True  # it may still be stuck: open no more records
             raise OpeningFailed(
                 f"reset did not return within environment.timeout_s = {self._spec.timeout_s}"
             ) from None
@@ -150,12 +159,10 @@ class _Resetter:
                 name=f"plan:{self._spec.name}",
             )
         except Overran:
-            self._stuck = True
             raise OpeningFailed(
                 f"building it did not finish within {max(BUILD_TIMEOUT_S, self._spec.timeout_s)} s"
             ) from None
         except Raised as error:
-            self._stuck = True
             raise OpeningFailed(
                 f"building it with its options raised {type(error.error).__name__}: {error}"
             ) from None
